@@ -1,0 +1,64 @@
+"""``phalanx launch`` and ``phalanx demo``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from phalanx.launch.launcher import LaunchRequest, launch
+
+
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, metavar="N", help="processes per node (default: one per visible GPU; 2 on a CPU-only machine)")
+    parser.add_argument("--gpus", metavar="LIST", help="GPU indices to use, e.g. 0,2 (indices into CUDA_VISIBLE_DEVICES when it is set)")
+    parser.add_argument("--cpu", action="store_true", help="run CPU processes on gloo even when GPUs are present")
+    parser.add_argument("--config", metavar="FILE", help="YAML or TOML config file (default: ./phalanx.yaml when present)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one config value, e.g. --set precision.mode=bf16 (repeatable)")
+    parser.add_argument("--ranks", choices=["0", "all"], help="terminal shows rank 0's output (0, default) or every rank's, prefixed [rank N] (all)")
+    parser.add_argument("--run-dir", metavar="DIR", help="parent directory of the run directory (default: launch.run_dir, 'runs')")
+    parser.add_argument("--verbose", action="store_true", help="also show torch elastic's own log lines")
+
+
+def register(commands) -> None:
+    launch_parser = commands.add_parser(
+        "launch",
+        help="run a training script on every device (torchrun-compatible)",
+        description="Run SCRIPT on every device of this machine through torch's elastic launcher. Options go before SCRIPT; everything after it is passed to the script.",
+    )
+    _add_launch_options(launch_parser)
+    launch_parser.add_argument("script", help="the Python training script")
+    launch_parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    launch_parser.set_defaults(run=_run_launch)
+
+    demo = commands.add_parser("demo", help="train the built-in digits CNN on every device", description="Train a small CNN on the built-in UCI digits on every device and report test accuracy and samples/s.")
+    _add_launch_options(demo)
+    demo.add_argument("--epochs", type=int, metavar="N", help="training epochs (default 12)")
+    demo.set_defaults(run=_run_demo)
+
+
+def _request(args: argparse.Namespace, script: str, script_args: list[str], name: str | None = None) -> LaunchRequest:
+    return LaunchRequest(
+        script=script,
+        script_args=script_args,
+        config_file=args.config,
+        overrides=args.overrides,
+        nproc=args.nproc,
+        gpus=args.gpus,
+        cpu=args.cpu,
+        ranks=args.ranks,
+        run_dir=args.run_dir,
+        verbose=args.verbose,
+        name=name,
+    )
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    return launch(_request(args, args.script, list(args.script_args)))
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import phalanx.demo
+
+    script = str(Path(phalanx.demo.__file__).with_name("train.py"))
+    extra = ["--epochs", str(args.epochs)] if args.epochs else []
+    return launch(_request(args, script, extra, name="demo"))

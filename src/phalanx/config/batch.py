@@ -1,0 +1,53 @@
+"""Batch arithmetic: global batch = micro batch x accumulation steps x data-parallel processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phalanx.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_size: int  # samples per optimizer step, all devices
+    micro_batch_size: int  # samples per data-parallel process per forward
+    accumulation_steps: int
+    data_parallel_size: int
+
+    def describe(self) -> str:
+        return (
+            f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size}"
+            f" x {self.accumulation_steps} accumulation step{'s' if self.accumulation_steps != 1 else ''}"
+            f" x {self.data_parallel_size} process{'es' if self.data_parallel_size != 1 else ''}"
+        )
+
+
+def plan_batch(data_parallel_size: int, global_batch_size: int | None, micro_batch_size: int | None) -> BatchPlan:
+    """Derive the missing sizes and refuse combinations that cannot be met exactly.
+
+    With only the global batch given, each process takes an equal share (no accumulation). With only
+    the micro batch, the global batch is one micro batch per process.
+    """
+    n = data_parallel_size
+    if global_batch_size is None and micro_batch_size is None:
+        raise ConfigError("set batch.global_batch_size (or pass a DataLoader with a batch_size) so phalanx can split it over processes")
+    if global_batch_size is None:
+        return BatchPlan(micro_batch_size * n, micro_batch_size, 1, n)
+    if micro_batch_size is None:
+        if global_batch_size % n:
+            raise ConfigError(
+                f"global_batch_size {global_batch_size} cannot be split evenly over {n} processes; "
+                f"use a multiple of {n} (e.g. {_nearest_multiple(global_batch_size, n)}) or set batch.micro_batch_size"
+            )
+        return BatchPlan(global_batch_size, global_batch_size // n, 1, n)
+    per_step = micro_batch_size * n
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} x {n} processes = {per_step}; "
+            f"use global_batch_size {_nearest_multiple(global_batch_size, per_step)} or a micro_batch_size that divides {global_batch_size // n if global_batch_size % n == 0 else 'global_batch_size / processes'}"
+        )
+    return BatchPlan(global_batch_size, micro_batch_size, global_batch_size // per_step, n)
+
+
+def _nearest_multiple(value: int, base: int) -> int:
+    return max(base, round(value / base) * base)

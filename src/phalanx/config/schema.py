@@ -1,0 +1,113 @@
+"""The one typed config tree. Field descriptions double as the comments of `phalanx config init`."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DDPConfig(_Section):
+    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces")
+    gradient_as_bucket_view: bool = Field(True, description="gradients alias the communication buckets (saves one copy of the gradients)")
+    static_graph: bool = Field(False, description="the set of used parameters never changes between steps (enables DDP's graph optimisations)")
+    find_unused_parameters: bool = Field(False, description="tolerate parameters that get no gradient in some steps (costs a graph traversal per step)")
+    broadcast_buffers: bool = Field(True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward")
+
+
+class StrategyConfig(_Section):
+    name: str = Field("auto", description="auto | single | dp | ddp (auto: ddp with several processes, else single)")
+    ddp: DDPConfig = Field(default_factory=DDPConfig)
+
+
+class BatchConfig(_Section):
+    global_batch_size: Optional[int] = Field(None, gt=0, description="samples per optimizer step over all devices (null: the training DataLoader's batch_size)")
+    micro_batch_size: Optional[int] = Field(None, gt=0, description="samples per device per forward (null: global_batch_size / data-parallel processes)")
+
+
+class OptimConfig(_Section):
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="scale the learning rate with global_batch_size / reference_batch_size: none | linear | sqrt")
+    reference_batch_size: Optional[int] = Field(None, gt=0, description="batch size the learning rate was tuned for (null: the training DataLoader's batch_size)")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up of the scaled learning rate")
+    warmup_start_factor: Optional[float] = Field(None, ge=0, le=1, description="warm-up starts at this fraction of the target lr (null: the unscaled lr when scaling, as in Goyal et al. 2017, else 0)")
+    max_grad_norm: Optional[float] = Field(None, gt=0, description="clip the global gradient norm before every optimizer step (null: no clipping)")
+
+
+class PrecisionConfig(_Section):
+    mode: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler)")
+    tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA (faster on Ampere and newer, ~1e-3 relative error)")
+    cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest convolution algorithms for fixed input shapes")
+
+
+class DataConfig(_Section):
+    num_workers: Optional[int] = Field(None, ge=0, description="loader worker processes per rank (null: keep the DataLoader's own)")
+    pin_memory: Optional[bool] = Field(None, description="page-locked host memory for faster copies (null: on with CUDA)")
+    drop_last: bool = Field(False, description="drop the last incomplete global batch of each epoch instead of filling it with samples from the start")
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(1, gt=0, description="epochs that session.epochs() yields")
+    seed: int = Field(0, description="seed for model init, shuffling and every rank's RNG (rank-offset where it must differ)")
+    progress: bool = Field(True, description="rank-0 progress bar with loss and samples/s")
+
+
+class LaunchConfig(_Section):
+    nproc: Optional[int] = Field(None, gt=0, description="processes per node (null: one per visible GPU, or 2 on a CPU-only machine)")
+    gpus: Optional[str] = Field(None, description="comma-separated GPU indices to use, e.g. '0,2' (null: all visible)")
+    ranks: Literal["0", "all"] = Field("0", description="whose output the terminal shows: 0 (rank 0 only) or all (each line prefixed [rank N])")
+    run_dir: str = Field("runs", description="where each run's directory (logs, resolved config) is created")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ranks_as_text(cls, data):
+        # YAML reads `ranks: 0` as an int; accept it.
+        if isinstance(data, dict) and isinstance(data.get("ranks"), int):
+            data = {**data, "ranks": str(data["ranks"])}
+        return data
+
+
+class Config(_Section):
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    # Where each leaf value came from ("default", "file <path>", "code", "--set"); filled by the loader.
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return self._sources
+
+    @classmethod
+    def load(cls, path=None, *, overrides=(), **sections) -> "Config":
+        """Defaults < file < keyword arguments < ``--set`` overrides (see docs/config.md)."""
+        from phalanx.config.loader import load_config
+
+        return load_config(path, overrides=overrides, sections=sections)
+
+    def flat(self) -> dict[str, object]:
+        """Leaf values keyed by dotted path, e.g. ``{"precision.mode": "bf16", ...}``."""
+        return flatten(self.model_dump())
+
+
+# Sections that accept a bare value in code as shorthand for one field: Session(strategy="ddp").
+SHORTHAND = {"strategy": "name", "precision": "mode"}
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out

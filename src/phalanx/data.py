@@ -1,0 +1,199 @@
+"""Sharding data over data-parallel processes, and moving batches to the device.
+
+The global sample order never depends on the number of processes: every rank computes the same
+permutation, and rank r takes positions r, r+W, r+2W, ... . So the union of one optimizer step's
+micro-batches over all ranks is the same set of samples whatever W is, which is what makes N
+processes train like one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from phalanx.errors import PhalanxError
+from phalanx.tree import map_tensors
+
+
+class ShardedSampler(Sampler[int]):
+    """This rank's share of one global order.
+
+    ``multiple_of`` is what the global order is padded (by wrapping around) or cut (``drop_last``)
+    to: the global batch for training, so every optimizer step is full; the world size for
+    evaluation, so every rank runs the same number of batches (the padding is dropped again by
+    ``Session.gather_for_metrics``).
+    """
+
+    def __init__(self, dataset_len: int, rank: int, world_size: int, *, shuffle: bool, seed: int, multiple_of: int, drop_last: bool = False):
+        if dataset_len == 0:
+            raise PhalanxError("the dataset is empty; nothing to train or evaluate on")
+        self.dataset_len = dataset_len
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.multiple_of = multiple_of
+        self.drop_last = drop_last
+        self.epoch = 0
+        if drop_last and dataset_len < multiple_of:
+            raise PhalanxError(
+                f"data.drop_last is on but the dataset has {dataset_len} samples, fewer than one global batch of {multiple_of}; "
+                "lower batch.global_batch_size or turn data.drop_last off"
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def global_len(self) -> int:
+        n, k = self.dataset_len, self.multiple_of
+        return (n // k) * k if self.drop_last else -(-n // k) * k
+
+    def global_order(self) -> torch.Tensor:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g)
+        else:
+            order = torch.arange(self.dataset_len)
+        total = self.global_len
+        if total > self.dataset_len:
+            order = order.repeat(-(-total // self.dataset_len))
+        return order[:total]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.global_order()[self.rank :: self.world_size].tolist())
+
+    def __len__(self) -> int:
+        return self.global_len // self.world_size
+
+
+@dataclass
+class LoaderState:
+    """Where the most recent batch of an evaluation loader sits in the global order."""
+
+    dataset_len: int
+    world_size: int
+    batch_start: int = 0  # this rank's local index of the batch's first sample
+
+
+class DeviceLoader:
+    """A sharded DataLoader that hands out batches already on the device."""
+
+    def __init__(self, loader: DataLoader, sampler: ShardedSampler | None, device: torch.device, *, train: bool, non_blocking: bool):
+        self.loader = loader
+        self.sampler = sampler
+        self.device = device
+        self.train = train
+        self.non_blocking = non_blocking
+        self.state = LoaderState(sampler.dataset_len, sampler.world_size) if sampler is not None else None
+        self.on_batch = None  # set by the Session to learn which loader is active
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        consumed = 0
+        for batch in self.loader:
+            if self.state is not None:
+                self.state.batch_start = consumed
+                consumed += _batch_len(batch)
+            if self.on_batch is not None:
+                self.on_batch(self)
+            yield to_device(batch, self.device, self.non_blocking)
+
+
+def shard_loader(
+    loader: DataLoader,
+    *,
+    train: bool,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    multiple_of: int,
+    seed: int,
+    device: torch.device,
+    num_workers: int | None,
+    pin_memory: bool | None,
+    drop_last: bool,
+) -> DeviceLoader:
+    """Rebuild ``loader`` around a :class:`ShardedSampler`, keeping the user's dataset, collate and workers.
+
+    ``batch_size`` is per rank and per forward; ``multiple_of`` is what the global order is padded to
+    (see :class:`ShardedSampler`).
+    """
+    pin = device.type == "cuda" if pin_memory is None else pin_memory
+    if isinstance(loader.dataset, IterableDataset):
+        # An iterable dataset decides its own order; sharding it is the dataset's job.
+        return DeviceLoader(loader, None, device, train=train, non_blocking=pin)
+    if loader.batch_size is None:
+        raise PhalanxError("phalanx shards DataLoaders built with batch_size=...; a custom batch_sampler cannot be split over processes")
+    shuffle = _shuffles(loader)
+    sampler = ShardedSampler(
+        len(loader.dataset), rank, world_size, shuffle=shuffle, seed=seed, multiple_of=multiple_of, drop_last=drop_last and train
+    )
+    workers = loader.num_workers if num_workers is None else num_workers
+    extra: dict[str, Any] = {}
+    if workers > 0:
+        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
+    rebuilt = DataLoader(
+        loader.dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=pin,
+        drop_last=False,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        **extra,
+    )
+    return DeviceLoader(rebuilt, sampler, device, train=train, non_blocking=pin)
+
+
+def _shuffles(loader: DataLoader) -> bool:
+    if isinstance(loader.sampler, RandomSampler):
+        return True
+    if isinstance(loader.sampler, (SequentialSampler, ShardedSampler)):
+        return False
+    raise PhalanxError(
+        f"the DataLoader uses a {type(loader.sampler).__name__}, which phalanx cannot split over processes; "
+        "build it with shuffle=True or shuffle=False and let phalanx shard it"
+    )
+
+
+def is_training_loader(loader: DataLoader) -> bool:
+    """A shuffling loader trains; a sequential one evaluates (see docs/session.md)."""
+    return isinstance(loader.sampler, RandomSampler)
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return _batch_len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return _batch_len(batch[0])
+    raise PhalanxError(f"cannot tell the batch size of a {type(batch).__name__} batch; batches should be tensors or dicts/lists/tuples of them")
+
+
+def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor inside a batch (nested dicts, lists, tuples) to ``device``."""
+    return map_tensors(value, lambda t: t.to(device, non_blocking=non_blocking))

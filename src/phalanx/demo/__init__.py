@@ -1,0 +1,1 @@
+"""The built-in example: a small CNN on the UCI handwritten digits, shipped with the package."""

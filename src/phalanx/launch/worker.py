@@ -1,0 +1,69 @@
+"""Entry point of every process ``phalanx launch`` starts: routes output, runs the user's script as
+``__main__``, reports failures to the launcher and tears the process group down whatever happens.
+
+Run as ``python -m phalanx.launch.worker script.py [args...]`` by torch's elastic agent.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+from phalanx.errors import PhalanxError
+from phalanx.launch.output import log_path, route_output
+from phalanx.topology import LaunchContext, Topology
+
+
+def main(argv: list[str]) -> int:
+    script, *script_args = argv
+    context = LaunchContext.from_env() or LaunchContext()
+    topology = Topology.from_env(force_cpu=context.force_cpu)
+    if context.log_dir is not None:
+        show = context.show_ranks == "all" or topology.rank == 0
+        prefix = f"[rank {topology.rank}] " if context.show_ranks == "all" else ""
+        route_output(log_path(context.log_dir, topology.rank, topology.restart_count), show=show, prefix=prefix)
+
+    sys.argv = [script, *script_args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as exit_:
+        code = exit_.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    except PhalanxError as err:
+        # The launcher prints this once for the whole job; here it only goes to this rank's log.
+        _record(err)
+        print(f"phalanx: error: {err}", file=getattr(sys.stderr, "log", sys.stderr), flush=True)
+        return err.exit_code
+    except BaseException as err:  # noqa: BLE001 - reported, then the process exits non-zero
+        traceback.print_exc()
+        _record(err)
+        return 130 if isinstance(err, KeyboardInterrupt) else 1
+    finally:
+        _teardown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _record(err: BaseException) -> None:
+    """Write torch elastic's error file, which the agent turns into the launcher's failure summary."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(err)  # a no-op outside torch elastic
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

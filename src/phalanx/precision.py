@@ -1,0 +1,76 @@
+"""Mixed precision: one object owning autocast, the fp16 GradScaler and the CUDA math settings."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+
+from phalanx.config.schema import PrecisionConfig
+from phalanx.tree import map_tensors
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, config: PrecisionConfig, device: torch.device):
+        self.mode = config.mode
+        self.dtype = _DTYPES[config.mode]
+        self.device = device
+        self.scaler = torch.amp.GradScaler(device.type) if config.mode == "fp16" else None
+        if device.type == "cuda":
+            # Process-wide switches, so they are set once here rather than per call.
+            torch.backends.cuda.matmul.allow_tf32 = config.tf32
+            torch.backends.cudnn.allow_tf32 = config.tf32
+            torch.backends.cudnn.benchmark = config.cudnn_benchmark
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mode == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def wrap_forward(self, forward: Callable) -> Callable:
+        """Run ``forward`` under autocast and hand back fp32 outputs, so the loss is computed in fp32."""
+        if self.mode == "fp32":
+            return forward
+
+        @functools.wraps(forward)
+        def wrapped(*args, **kwargs):
+            with self.autocast():
+                out = forward(*args, **kwargs)
+            return _to_fp32(out)
+
+        return wrapped
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients back to true scale before clipping (idempotent within one step)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; returns False when fp16 overflow made the scaler skip it."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _to_fp32(value: Any) -> Any:
+    return map_tensors(value, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t)

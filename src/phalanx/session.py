@@ -1,0 +1,432 @@
+"""The user-facing object of a bring-your-own-loop script.
+
+    session = phalanx.Session()
+    model, optimizer, loader, scheduler = session.setup(model, optimizer, loader, scheduler)
+    for epoch in session.epochs():
+        for batch in session.progress(loader):
+            with session.accumulate(model):
+                session.backward(loss_fn(model(batch[0]), batch[1]))
+
+The Session steps the optimizer and scheduler and zeroes gradients once per global batch, at the
+end of the ``accumulate`` block that completes it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import random
+import time
+import weakref
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from phalanx.config.batch import BatchPlan, plan_batch
+from phalanx.config.loader import load_config, override_config
+from phalanx.config.schema import Config
+from phalanx.data import DeviceLoader, is_training_loader, shard_loader
+from phalanx.errors import ConfigError, PhalanxError
+from phalanx.lr import LRScaling
+from phalanx.precision import Precision
+from phalanx.progress import Throughput, track
+from phalanx.strategies import create_strategy
+from phalanx.topology import LaunchContext, Topology
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Session:
+    def __init__(self, config: Config | None = None, **sections: Any):
+        """``config`` defaults to :meth:`Config.load` (phalanx.yaml or the launcher's config);
+        keyword arguments override sections, e.g. ``Session(strategy="ddp", batch={"micro_batch_size": 8})``."""
+        self.context = LaunchContext.from_env()
+        if config is None:
+            config = load_config(sections=sections, context=self.context)
+        elif sections:
+            config = override_config(config, sections)
+        self.config = config
+        self.topology = Topology.from_env()
+        _seed_everything(config.train.seed)
+        self.strategy = create_strategy(config, self.topology)
+        self.strategy.setup_environment()
+        self.precision = Precision(config.precision, self.topology.device)
+
+        self.batch: BatchPlan | None = None
+        self.lr_scaling: LRScaling | None = None
+        self.step_count = 0  # optimizer steps taken
+        self.epoch = 0
+        self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
+        self.last_throughput: Throughput | None = None
+        self._micro = 0  # micro-steps into the current global batch
+        self._in_accumulate = False
+        self._in_step = False
+        self._unscaled = False
+        self._last_loss: torch.Tensor | None = None
+        self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._schedulers: list[tuple[LRScheduler, int]] = []
+        self._loaders: list[DeviceLoader] = []
+        self._active_loader: DeviceLoader | None = None
+        self._closed = False
+        # Tear the process group down even when the user's script raises.
+        atexit.register(_close_ref, weakref.ref(self))
+
+    # -- facts ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.topology.is_main
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.batch.accumulation_steps if self.batch else 1
+
+    @property
+    def lr_multiplier(self) -> float:
+        return self.lr_scaling.multiplier(self.step_count) if self.lr_scaling else 1.0
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self, *objects: Any) -> Any:
+        """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
+
+        A shuffling DataLoader is a training loader: its ``batch_size`` is the global batch unless
+        ``batch.global_batch_size`` says otherwise. A sequential one is an evaluation loader: its
+        ``batch_size`` is per process and ``gather_for_metrics`` makes its results exact.
+        """
+        loaders = [o for o in objects if isinstance(o, DataLoader)]
+        train = [l for l in loaders if is_training_loader(l)]
+        self._plan(train[0].batch_size if train else None)
+        out = []
+        for obj in objects:
+            if isinstance(obj, DataLoader):
+                out.append(self.setup_loader(obj, train=is_training_loader(obj)))
+            elif isinstance(obj, nn.Module):
+                out.append(self._setup_model(obj))
+            elif isinstance(obj, torch.optim.Optimizer):
+                out.append(self._setup_optimizer(obj))
+            elif isinstance(obj, LRScheduler):
+                self._schedulers.append((obj, obj.last_epoch))
+                out.append(obj)
+            else:
+                raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
+        # Every rank built the same initial weights from the same seed; from here on ranks should
+        # draw different dropout masks and augmentations.
+        _seed_everything(self.config.train.seed + self.rank)
+        self._announce()
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def setup_loader(self, loader: DataLoader, *, train: bool) -> DeviceLoader:
+        """Shard one DataLoader explicitly as a training (``train=True``) or evaluation loader."""
+        dp = self.strategy.data_parallel_size
+        if train:
+            if self.batch is None:
+                self._plan(loader.batch_size)
+            batch_size, multiple_of = self.batch.micro_batch_size, self.batch.global_batch_size
+        else:
+            # Padding the order to a multiple of the process count gives every rank the same number
+            # of batches, so collectives in the evaluation loop line up.
+            batch_size, multiple_of = loader.batch_size or 1, dp
+        wrapped = shard_loader(
+            loader,
+            train=train,
+            rank=self.strategy.data_parallel_rank,
+            world_size=dp,
+            batch_size=batch_size,
+            multiple_of=multiple_of,
+            seed=self.config.train.seed,
+            device=self.device,
+            num_workers=self.config.data.num_workers,
+            pin_memory=self.config.data.pin_memory,
+            drop_last=self.config.data.drop_last,
+        )
+        wrapped.on_batch = self._on_batch
+        self._loaders.append(wrapped)
+        return wrapped
+
+    def _plan(self, loader_batch_size: int | None) -> None:
+        cfg = self.config
+        global_bs = cfg.batch.global_batch_size or loader_batch_size
+        if global_bs is None and cfg.batch.micro_batch_size is None:
+            return
+        self.batch = plan_batch(self.strategy.data_parallel_size, global_bs, cfg.batch.micro_batch_size)
+        reference = cfg.optim.reference_batch_size or loader_batch_size
+        if reference is None:
+            if cfg.optim.lr_scaling != "none":
+                raise ConfigError("optim.lr_scaling needs optim.reference_batch_size (the batch size your lr was tuned for)")
+            reference = self.batch.global_batch_size
+        self.lr_scaling = LRScaling(
+            cfg.optim.lr_scaling, self.batch.global_batch_size, reference, cfg.optim.warmup_steps, cfg.optim.warmup_start_factor
+        )
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        wrapped = self.strategy.wrap_model(model)
+        if self.precision.mode != "fp32":
+            wrapped.forward = self.precision.wrap_forward(wrapped.forward)
+        self._models.append(wrapped)
+        return wrapped
+
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        optimizer = self.strategy.wrap_optimizer(optimizer)
+        optimizer.register_step_pre_hook(self._guard_step)
+        user_zero_grad = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            # Harmless at a global-batch boundary (gradients are already cleared), fatal inside one.
+            if self._micro and not self._in_step:
+                raise PhalanxError(
+                    "optimizer.zero_grad() was called in the middle of an accumulation window and would drop gradients; "
+                    "remove it: phalanx zeroes gradients after each optimizer step"
+                )
+            user_zero_grad(set_to_none=set_to_none)
+
+        optimizer.zero_grad = zero_grad
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def _guard_step(self, optimizer, args, kwargs) -> None:
+        if not self._in_step:
+            raise PhalanxError(
+                "optimizer.step() was called directly; remove it (and scheduler.step()): phalanx steps both at the end of "
+                "`with session.accumulate(model):`, or call session.step() yourself"
+            )
+
+    def _announce(self) -> None:
+        if not self.is_main:
+            return
+        parts = [self.strategy.describe(), f"device {self.device.type}", f"precision {self.precision.mode}"]
+        if self.batch:
+            parts.append(self.batch.describe())
+        if self.lr_scaling:
+            parts.append(self.lr_scaling.describe())
+        print("phalanx: " + " | ".join(parts), flush=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def epochs(self, epochs: int | None = None) -> Iterator[int]:
+        """Yield epoch numbers, reshuffling every training loader (``set_epoch``) for each."""
+        total = self.config.train.epochs if epochs is None else epochs
+        for epoch in range(self.epoch, total):
+            self.epoch = epoch
+            for loader in self._loaders:
+                loader.set_epoch(epoch)
+            yield epoch
+            if self._micro:
+                self._discard_partial_window()
+        self.epoch = total
+
+    def progress(self, loader: DeviceLoader | DataLoader, description: str | None = None) -> Iterator[Any]:
+        """Iterate ``loader``; rank 0 draws a bar with loss and global samples/s."""
+        per_rank = loader.batch_size or 1
+        dp = self.strategy.data_parallel_size if isinstance(loader, DeviceLoader) else 1
+        train = getattr(loader, "train", False)
+        if description is None:
+            description = f"epoch {self.epoch + 1}/{self.config.train.epochs}" if train else "eval"
+        meter = Throughput()
+        yield from track(
+            loader,
+            total=len(loader),
+            samples_per_batch=per_rank * dp,
+            description=description,
+            show=self.is_main and self.config.train.progress,
+            loss=self._loss_value if train else (lambda: None),
+            meter=meter,
+        )
+        if train:
+            self.last_throughput = meter
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """One micro-step: gradients are synchronised and the optimizer stepped only on the last
+        micro-step of each global batch."""
+        self._micro += 1
+        self.sync_gradients = self._micro >= self.accumulation_steps
+        self._in_accumulate = True
+        try:
+            with contextlib.nullcontext() if self.sync_gradients else self.strategy.no_sync(model):
+                yield
+        finally:
+            self._in_accumulate = False
+        if self.sync_gradients:
+            self.step()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the 1/accumulation_steps division (once) and fp16 loss scaling."""
+        steps = self.accumulation_steps
+        if steps > 1 and not self._in_accumulate:
+            raise PhalanxError(
+                f"accumulation_steps is {steps}: put the forward and session.backward(loss) inside `with session.accumulate(model):`"
+            )
+        self._last_loss = loss.detach()
+        self.precision.backward(loss / steps if steps > 1 else loss)
+
+    def clip_grad_norm_(self, max_norm: float, model: nn.Module | None = None) -> torch.Tensor | None:
+        """Clip the global gradient norm; returns it. Does nothing (returns None) on micro-steps
+        whose gradients are not synchronised yet."""
+        if not self.sync_gradients:
+            return None
+        model = model or self._only_model()
+        if not self._unscaled:
+            for opt in self._optimizers:
+                self.precision.unscale(opt)
+            self._unscaled = True
+        return self.strategy.clip_grad_norm_(model, max_norm)
+
+    def step(self) -> None:
+        """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
+        for sched, seen in self._schedulers:
+            if sched.last_epoch != seen:
+                raise PhalanxError("scheduler.step() was called directly; remove it: phalanx steps the scheduler once per optimizer step")
+        if self.config.optim.max_grad_norm is not None and self._models:
+            self.clip_grad_norm_(self.config.optim.max_grad_norm, self._models[0])
+        multiplier = self.lr_multiplier
+        stepped = True
+        self._in_step = True
+        try:
+            for opt in self._optimizers:
+                base = [group["lr"] for group in opt.param_groups]
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * multiplier
+                try:
+                    stepped = self.precision.step(opt) and stepped
+                finally:
+                    for group, lr in zip(opt.param_groups, base):
+                        group["lr"] = lr
+            if stepped:
+                self.step_count += 1
+                for sched, _ in self._schedulers:
+                    sched.step()
+                self._schedulers = [(sched, sched.last_epoch) for sched, _ in self._schedulers]
+            for opt in self._optimizers:
+                opt.zero_grad(set_to_none=True)
+        finally:
+            self._in_step = False
+            self._micro = 0
+            self._unscaled = False
+
+    def _discard_partial_window(self) -> None:
+        # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
+        # synchronised, so stepping on them would let ranks diverge.
+        self.print(f"phalanx: dropping {self._micro} micro-step(s) that did not complete a global batch at the end of the epoch")
+        for opt in self._optimizers:
+            opt.zero_grad(set_to_none=True)
+        self._micro = 0
+
+    def _loss_value(self) -> float | None:
+        return float(self._last_loss) if self._last_loss is not None else None
+
+    def _only_model(self) -> nn.Module:
+        if len(self._models) != 1:
+            raise PhalanxError("pass the model: session.clip_grad_norm_(max_norm, model) when several models are set up")
+        return self._models[0]
+
+    # -- across processes ---------------------------------------------------------------------
+    def _on_batch(self, loader: DeviceLoader) -> None:
+        self._active_loader = loader
+
+    def reduce(self, value: Any, op: str = "mean") -> Any:
+        """All-reduce a tensor or number over processes: op is sum | mean | max | min."""
+        if op not in _REDUCE_OPS:
+            raise PhalanxError(f"reduce op '{op}' is not one of {', '.join(_REDUCE_OPS)}")
+        as_number = not isinstance(value, torch.Tensor)
+        tensor = torch.as_tensor(value, dtype=torch.float64 if as_number else None).to(self._comm_device())
+        if self.world_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor, op=_REDUCE_OPS[op])
+            if op == "mean":
+                tensor = tensor / self.world_size
+        return tensor.item() if as_number else tensor.to(value.device)
+
+    def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Gather a per-batch tensor from every process, in dataset order, without the samples the
+        sampler padded in; so metrics over an evaluation loader equal single-process ones exactly."""
+        if self.world_size == 1:
+            return tensor
+        local = tensor.to(self._comm_device()).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        loader = self._active_loader
+        if loader is None or loader.train or loader.state is None:
+            return torch.cat(parts).to(tensor.device)
+        # Rank r's i-th sample sits at global position W*(start+i) + r: interleave, then cut the padding.
+        w, state = self.world_size, loader.state
+        ordered = torch.stack(parts, dim=1).flatten(0, 1)
+        keep = max(0, min(ordered.shape[0], state.dataset_len - w * state.batch_start))
+        return ordered[:keep].to(tensor.device)
+
+    def barrier(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.topology.backend == "nccl" else torch.device("cpu")
+
+    # -- output -----------------------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def log(self, **metrics: Any) -> None:
+        """Print metrics on rank 0 and append them to ``<run dir>/metrics.jsonl`` when launched."""
+        if not self.is_main:
+            return
+        values = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        record = {"time": time.time(), "step": self.step_count, "epoch": self.epoch, **values}
+        print("  ".join(f"{k} {_fmt(v)}" for k, v in values.items()), flush=True)
+        if self.context and self.context.run_dir:
+            with open(f"{self.context.run_dir}/metrics.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    # -- models out ---------------------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.strategy.unwrap(model)
+
+    def model_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Full weights of the bare model (no ``module.`` prefix), loadable into a plain nn.Module."""
+        return self.strategy.model_state_dict(model or self._only_model())
+
+    # -- teardown -----------------------------------------------------------------------------
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.strategy.teardown()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _close_ref(ref: "weakref.ref[Session]") -> None:
+    session = ref()
+    if session is not None:
+        session.close()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,28 @@
+"""torch.nn.DataParallel: one process driving every visible GPU. Kept because users know it;
+DDP is faster (no GIL contention, no per-step model replication, no scatter/gather through GPU 0)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phalanx.strategies.base import Strategy
+
+
+class DataParallel(Strategy):
+    name = "dp"
+    processes_per_node = 1
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.topology.is_main:
+            print("phalanx: strategy 'dp' replicates the model every step in one process; strategy 'ddp' is faster on every GPU count.")
+        devices = list(range(torch.cuda.device_count())) if self.topology.device.type == "cuda" else None
+        # Without CUDA, DataParallel simply calls the module, which keeps this path testable on CPU.
+        return nn.DataParallel(model, device_ids=devices)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, nn.DataParallel) else model
+
+    def describe(self) -> str:
+        n = torch.cuda.device_count() if self.topology.device.type == "cuda" else 0
+        return f"dp over {n} GPU{'s' if n != 1 else ''}" if n else "dp (no GPU: runs as one CPU device)"

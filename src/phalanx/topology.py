@@ -1,0 +1,127 @@
+"""Who this process is: rank, local rank, world size, device.
+
+This is the one module that reads the environment: what torchrun's elastic agent sets for each
+worker (RANK, LOCAL_RANK, ...) and what ``phalanx launch`` adds (PHALANX_*). Everything else is
+handed a :class:`Topology` or a :class:`LaunchContext` explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+# Names of the variables phalanx's launcher passes to its workers.
+ENV_CONTEXT = "PHALANX_CONTEXT"
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What ``phalanx launch`` tells each worker: config sources, run directory, output policy."""
+
+    config_file: str | None = None
+    overrides: tuple[str, ...] = ()
+    run_dir: str | None = None
+    show_ranks: str = "0"  # "0" or "all"
+    force_cpu: bool = False
+
+    def to_env(self) -> dict[str, str]:
+        payload = {
+            "config_file": self.config_file,
+            "overrides": list(self.overrides),
+            "run_dir": self.run_dir,
+            "show_ranks": self.show_ranks,
+            "force_cpu": self.force_cpu,
+        }
+        return {ENV_CONTEXT: json.dumps(payload)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "LaunchContext | None":
+        env = os.environ if env is None else env
+        raw = env.get(ENV_CONTEXT)
+        if not raw:
+            return None
+        data = json.loads(raw)
+        return cls(
+            config_file=data.get("config_file"),
+            overrides=tuple(data.get("overrides", ())),
+            run_dir=data.get("run_dir"),
+            show_ranks=data.get("show_ranks", "0"),
+            force_cpu=bool(data.get("force_cpu", False)),
+        )
+
+    @property
+    def log_dir(self) -> Path | None:
+        return Path(self.run_dir) / "logs" if self.run_dir else None
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    restart_count: int = 0
+    launched: bool = False  # True under torchrun / phalanx launch / phalanx.spawn
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, force_cpu: bool | None = None) -> "Topology":
+        env = os.environ if env is None else env
+        if force_cpu is None:
+            ctx = LaunchContext.from_env(env)
+            force_cpu = bool(ctx and ctx.force_cpu)
+        launched = "RANK" in env and "WORLD_SIZE" in env
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        world_size = int(env.get("WORLD_SIZE", 1))
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            node_rank=int(env.get("GROUP_RANK", 0)),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            launched=launched,
+            device=pick_device(local_rank, force_cpu),
+        )
+
+
+def pick_device(local_rank: int, force_cpu: bool = False) -> torch.device:
+    """One CUDA device per local rank when CUDA is there, else the CPU."""
+    if force_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def visible_cuda_devices(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list, or None when it is not set."""
+    env = os.environ if env is None else env
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    return [d.strip() for d in raw.split(",") if d.strip()]
+
+
+def cpu_count() -> int:
+    """Cores this process may use (the affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
