@@ -59,6 +59,9 @@ class Session:
         self.precision = Precision(config.precision, self.topology.device)
 
         self.batch: BatchPlan | None = None
+        if config.batch.global_batch_size or config.batch.micro_batch_size:
+            # Refuse an impossible batch now rather than at setup(); setup() may refine it.
+            self.batch = plan_batch(self.strategy.data_parallel_size, config.batch.global_batch_size, config.batch.micro_batch_size)
         self.lr_scaling: LRScaling | None = None
         self.step_count = 0  # optimizer steps taken
         self.epoch = 0

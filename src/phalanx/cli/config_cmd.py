@@ -13,7 +13,7 @@ from rich.table import Table
 
 from phalanx.config.loader import DEFAULT_FILE, load_config
 from phalanx.config.schema import Config
-from phalanx.config.template import render
+from phalanx.config.template import render, scalar
 from phalanx.errors import PhalanxError
 from phalanx.strategies import STRATEGIES
 from phalanx.topology import LaunchContext
@@ -84,6 +84,9 @@ def _run_show(args: argparse.Namespace) -> int:
     for key, value in flat.items():
         source = sources.get(key, "default")
         style = None if source == "default" else "bold"
-        table.add_row(key, "null" if value is None else str(value), source, style=style)
-    Console().print(table)
+        table.add_row(key, scalar(value), source, style=style)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # pipes and logs get whole source names, not wrapped ones
+    console.print(table)
     return 0

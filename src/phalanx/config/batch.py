@@ -37,17 +37,19 @@ def plan_batch(data_parallel_size: int, global_batch_size: int | None, micro_bat
         if global_batch_size % n:
             raise ConfigError(
                 f"global_batch_size {global_batch_size} cannot be split evenly over {n} processes; "
-                f"use a multiple of {n} (e.g. {_nearest_multiple(global_batch_size, n)}) or set batch.micro_batch_size"
+                f"use a multiple of {n} (e.g. {_multiples_near(global_batch_size, n)}) or set batch.micro_batch_size"
             )
         return BatchPlan(global_batch_size, global_batch_size // n, 1, n)
     per_step = micro_batch_size * n
     if global_batch_size % per_step:
         raise ConfigError(
             f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} x {n} processes = {per_step}; "
-            f"use global_batch_size {_nearest_multiple(global_batch_size, per_step)} or a micro_batch_size that divides {global_batch_size // n if global_batch_size % n == 0 else 'global_batch_size / processes'}"
+            f"use global_batch_size {_multiples_near(global_batch_size, per_step)}, or a micro_batch_size that divides {global_batch_size // n if global_batch_size % n == 0 else 'global_batch_size / processes'}"
         )
     return BatchPlan(global_batch_size, micro_batch_size, global_batch_size // per_step, n)
 
 
-def _nearest_multiple(value: int, base: int) -> int:
-    return max(base, round(value / base) * base)
+def _multiples_near(value: int, base: int) -> str:
+    """The multiples of ``base`` on either side of ``value``: "4 or 6"."""
+    below, above = (value // base) * base, -(-value // base) * base
+    return f"{below} or {above}" if below > 0 else str(above)

@@ -138,7 +138,7 @@ def load_config(
 
     file = context.config_file if context and context.config_file else path
     if file is None:
-        candidate = (cwd or Path.cwd()) / DEFAULT_FILE
+        candidate = cwd / DEFAULT_FILE if cwd else Path(DEFAULT_FILE)
         file = candidate if candidate.is_file() else None
     if file is not None:
         _merge(tree, read_file(file), f"file {file}", sources)

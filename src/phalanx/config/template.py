@@ -32,12 +32,13 @@ def _section(name: str, model: BaseModel, indent: int) -> list[str]:
         if isinstance(value, BaseModel):
             out.extend(_section(field_name, value, indent + 1))
             continue
-        text = f"{pad}  {field_name}: {_scalar(value)}"
+        text = f"{pad}  {field_name}: {scalar(value)}"
         if info.description:
             text = f"{text:<40} # {info.description}"
         out.append(text)
     return out
 
 
-def _scalar(value: Any) -> str:
+def scalar(value: Any) -> str:
+    """A value as YAML writes it: null, true, 0.5, text."""
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()

@@ -17,24 +17,31 @@ class Tee(io.TextIOBase):
         self.terminal = terminal
         self.log = log
         self.prefix = prefix
-        self._at_line_start = True
+        self._pending = ""  # prefixed mode: the unfinished line
 
     def write(self, text: str) -> int:
         self.log.write(text)
-        if self.prefix:
-            out = []
-            for piece in text.splitlines(keepends=True):
-                if self._at_line_start:
-                    out.append(self.prefix)
-                out.append(piece)
-                self._at_line_start = piece.endswith("\n")
-            text = "".join(out)
-        self.terminal.write(text)
+        if not self.prefix:
+            return self.terminal.write(text)
+        # Whole lines only, one write each: several ranks share the terminal, and a line written in
+        # pieces would interleave with another rank's.
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        if lines:
+            self.terminal.write("".join(f"{self.prefix}{line}\n" for line in lines))
+            self.terminal.flush()
         return len(text)
 
     def flush(self) -> None:
         self.log.flush()
         self.terminal.flush()
+
+    def finish(self) -> None:
+        """Emit an unfinished last line (at exit)."""
+        if self._pending:
+            self.terminal.write(f"{self.prefix}{self._pending}\n")
+            self._pending = ""
+        self.flush()
 
     def isatty(self) -> bool:
         # A prefixed stream cannot host cursor-moving live displays.

@@ -47,8 +47,8 @@ def main(argv: list[str]) -> int:
         return 130 if isinstance(err, KeyboardInterrupt) else 1
     finally:
         _teardown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            getattr(stream, "finish", stream.flush)()
 
 
 def _record(err: BaseException) -> None:

@@ -1,0 +1,124 @@
+"""The Session in one process: accumulation, scheduling, lr scaling, precision and the guards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from _workers import evaluate, make_data, make_model, reference, seen_lrs, train
+from phalanx import Config, PhalanxError, Session
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp", "ddp"])
+def test_one_process_matches_plain_loop(strategy):
+    out = train(strategy, global_bs=16, micro_bs=None, steps=5)
+    assert rel_diff(out["state"], reference(16, 5)) < 1e-5
+    assert list(out["state"]) == list(reference(16, 5))  # no `module.` prefix
+
+
+def test_accumulation_in_one_process_matches_whole_batch():
+    out = train("single", global_bs=16, micro_bs=4, steps=5)
+    assert out["accumulation"] == 4 and out["micro_steps"] == 20
+    assert out["steps"] == out["scheduler_steps"] == 5
+    assert rel_diff(out["state"], reference(16, 5)) < 1e-5
+
+
+def test_scheduler_steps_once_per_optimizer_step_over_epochs():
+    out = train("single", global_bs=8, micro_bs=2, steps=3, epochs=2)
+    assert out["steps"] == out["scheduler_steps"] == 6
+    assert out["lrs"] == pytest.approx([0.05, 0.025, 0.025, 0.0125, 0.0125, 0.00625])
+
+
+def test_linear_lr_scaling_with_warmup_leaves_the_scheduler_alone():
+    out = seen_lrs(64, 4, lr_scaling="linear", warmup_steps=2)  # 64 / reference 16 -> x4
+    assert out["used"] == pytest.approx([0.1 * (0.25 + 0.75 * 0.5) * 4, 0.4, 0.4, 0.4])
+    assert out["after"] == pytest.approx(0.1)
+
+
+def test_sqrt_scaling():
+    assert seen_lrs(64, 2, lr_scaling="sqrt")["used"] == pytest.approx([0.2, 0.2])
+
+
+def test_evaluation_in_one_process():
+    out = evaluate(11, 4)
+    assert out["count"] == 11 and out["reduced_sum"] == 11
+
+
+def _session(**sections):
+    return Session(Config(), train={"progress": False}, **sections)
+
+
+def test_guards_against_stepping_twice():
+    session = _session(batch={"global_batch_size": 8, "micro_batch_size": 4})
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    model, optimizer, scheduler = session.setup(model, optimizer, scheduler)
+    x, y = make_data(4).tensors
+    with pytest.raises(PhalanxError, match="put the forward and session.backward"):
+        session.backward(F.mse_loss(model(x), y))
+    with session.accumulate(model):
+        session.backward(F.mse_loss(model(x), y))
+    with pytest.raises(PhalanxError, match=r"optimizer.step\(\) was called directly"):
+        optimizer.step()
+    with pytest.raises(PhalanxError, match=r"zero_grad\(\) was called in the middle"):
+        optimizer.zero_grad()
+    with session.accumulate(model):
+        session.backward(F.mse_loss(model(x), y))
+    assert session.step_count == 1
+    optimizer.zero_grad()  # harmless at a boundary
+    scheduler.step()
+    with pytest.raises(PhalanxError, match=r"scheduler.step\(\) was called directly"):
+        session.step()
+    session.close()
+
+
+def test_setup_rejects_unknown_objects_and_custom_samplers():
+    session = _session()
+    with pytest.raises(PhalanxError, match="setup\\(\\) takes models"):
+        session.setup("not a model")
+    sampler = torch.utils.data.WeightedRandomSampler([1.0] * 8, 8)
+    loader = DataLoader(make_data(8), batch_size=4, sampler=sampler)
+    with pytest.raises(PhalanxError, match="WeightedRandomSampler"):
+        session.setup_loader(loader, train=True)
+    session.close()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_mixed_precision_trains_on_cpu(mode):
+    session = _session(precision=mode, batch={"global_batch_size": 32})
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loader = DataLoader(make_data(32 * 20), batch_size=32, shuffle=True)
+    model, optimizer, loader = session.setup(model, optimizer, loader)
+    losses = []
+    for x, y in loader:
+        with session.accumulate(model):
+            out = model(x)
+            assert out.dtype == torch.float32  # autocast inside, fp32 out
+            loss = F.mse_loss(out, y)
+            session.backward(loss)
+        losses.append(loss.item())
+    assert (session.precision.scaler is not None) == (mode == "fp16")
+    assert sum(losses[-5:]) < sum(losses[:5])
+    session.close()
+
+
+def test_clip_grad_norm_from_config_bounds_the_update():
+    session = _session(optim={"max_grad_norm": 1e-3}, batch={"global_batch_size": 16})
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer = session.setup(model, optimizer)
+    x, y = make_data(16).tensors
+    with session.accumulate(model):
+        session.backward(F.mse_loss(model(x), y) * 1000)
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm()
+    assert moved.item() == pytest.approx(1e-3, rel=1e-3)
+    session.close()
