@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from phalanx.topology import LaunchContext
+from phalanx.topology import LaunchContext, cpu_count
 
 
 def spawn(
@@ -64,6 +64,9 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, nprocs: int, po
             **LaunchContext(force_cpu=cpu).to_env(),
         }
     )
+    if cpu:
+        # As `phalanx launch` does with OMP_NUM_THREADS: share the cores instead of oversubscribing them.
+        torch.set_num_threads(max(1, cpu_count() // nprocs))
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{local_rank}.pt")
