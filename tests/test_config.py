@@ -134,3 +134,18 @@ def test_config_load_classmethod_reads_kwargs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("PHALANX_CONTEXT", raising=False)
     assert Config.load(strategy="dp").strategy.name == "dp"
+
+
+def test_gpus_and_ranks_written_as_numbers_are_accepted():
+    config = load(overrides=["launch.gpus=1", "launch.ranks=0"])
+    assert config.launch.gpus == "1" and config.launch.ranks == "0"
+
+
+def test_unknown_section_from_set_names_its_origin():
+    with pytest.raises(ConfigError, match=r"unknown setting 'foo' \(from --set\)"):
+        load(overrides=["foo.bar=1"])
+
+
+def test_code_overrides_lose_to_the_launchers_set_lines():
+    context = LaunchContext(overrides=("train.epochs=9",))
+    assert load(overrides=["train.epochs=2"], context=context).train.epochs == 9

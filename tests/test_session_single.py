@@ -122,3 +122,64 @@ def test_clip_grad_norm_from_config_bounds_the_update():
     moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm()
     assert moved.item() == pytest.approx(1e-3, rel=1e-3)
     session.close()
+
+
+def test_fp16_with_two_optimizers_and_clipping_updates_both_like_fp32():
+    def run(mode):
+        session = _session(precision=mode, optim={"max_grad_norm": 10.0}, batch={"global_batch_size": 16})
+        a, b = make_model(), make_model()
+        opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        a, b, opt_a, opt_b = session.setup(a, b, opt_a, opt_b)
+        x, y = make_data(16).tensors
+        with session.accumulate(a):
+            session.backward(F.mse_loss(a(x), y) + F.mse_loss(b(x), y))
+        moved = [sum((p.detach() - q).abs().sum() for p, q in zip(m.parameters(), make_model().parameters())).item() for m in (a, b)]
+        session.close()
+        return moved
+
+    fp32, fp16 = run("fp32"), run("fp16")
+    # fp16 autocast on CPU changes the numbers a little, never by the 1/65536 of a double unscale.
+    assert fp16 == pytest.approx(fp32, rel=0.05)
+
+
+def test_reduce_lr_on_plateau_is_refused_with_the_fix():
+    session = _session()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PhalanxError, match="ReduceLROnPlateau needs a metric"):
+        session.setup(model, optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    session.close()
+
+
+def test_zero_grad_at_the_start_of_a_window_is_allowed():
+    session = _session(batch={"global_batch_size": 8})
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = session.setup(model, optimizer)
+    x, y = make_data(8).tensors
+    for _ in range(2):
+        with session.accumulate(model):
+            optimizer.zero_grad()  # a habit from one-GPU loops: harmless here
+            session.backward(F.mse_loss(model(x), y))
+    assert session.step_count == 2
+    session.close()
+
+
+def test_launcher_set_lines_beat_code_even_with_an_explicit_config(monkeypatch):
+    from phalanx.topology import LaunchContext
+
+    monkeypatch.setenv("PHALANX_CONTEXT", LaunchContext(overrides=("train.epochs=4",)).to_env()["PHALANX_CONTEXT"])
+    session = Session(Config(), train={"epochs": 3, "progress": False})
+    assert session.config.train.epochs == 4
+    assert session.config.sources["train.epochs"] == "--set"
+    assert session.config.sources["train.progress"] == "code"
+    session.close()
+
+
+def test_evaluation_batches_of_dicts_with_text():
+    from phalanx.data import _batch_len
+
+    assert _batch_len({"text": ["a", "b", "c"], "ids": torch.zeros(3, 5)}) == 3
+    assert _batch_len({"text": ["a", "b"]}) == 2
+    with pytest.raises(PhalanxError, match="cannot tell the batch size"):
+        _batch_len({"n": 3})

@@ -89,7 +89,8 @@ class DeviceLoader:
         self.device = device
         self.train = train
         self.non_blocking = non_blocking
-        self.state = LoaderState(sampler.dataset_len, sampler.world_size) if sampler is not None else None
+        # Positions matter only where gather_for_metrics drops padding: evaluation loaders.
+        self.state = LoaderState(sampler.dataset_len, sampler.world_size) if sampler is not None and not train else None
         self.on_batch = None  # set by the Session to learn which loader is active
 
     @property
@@ -144,13 +145,14 @@ def shard_loader(
     if loader.batch_size is None:
         raise PhalanxError("phalanx shards DataLoaders built with batch_size=...; a custom batch_sampler cannot be split over processes")
     shuffle = _shuffles(loader)
-    sampler = ShardedSampler(
-        len(loader.dataset), rank, world_size, shuffle=shuffle, seed=seed, multiple_of=multiple_of, drop_last=drop_last and train
-    )
+    drop_last = train and (drop_last or loader.drop_last)
+    sampler = ShardedSampler(len(loader.dataset), rank, world_size, shuffle=shuffle, seed=seed, multiple_of=multiple_of, drop_last=drop_last)
     workers = loader.num_workers if num_workers is None else num_workers
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"pin_memory_device": getattr(loader, "pin_memory_device", "")}
+    if hasattr(loader, "in_order"):  # torch >= 2.6
+        extra["in_order"] = loader.in_order
     if workers > 0:
-        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
+        extra.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
     rebuilt = DataLoader(
         loader.dataset,
         batch_size=batch_size,
@@ -169,7 +171,13 @@ def shard_loader(
 
 
 def _shuffles(loader: DataLoader) -> bool:
-    if isinstance(loader.sampler, RandomSampler):
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:
+            raise PhalanxError(
+                "the DataLoader's RandomSampler draws with replacement or a custom num_samples, which phalanx cannot split "
+                "over processes exactly; use shuffle=True without a custom sampler"
+            )
         return True
     if isinstance(loader.sampler, (SequentialSampler, ShardedSampler)):
         return False
@@ -185,13 +193,16 @@ def is_training_loader(loader: DataLoader) -> bool:
 
 
 def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, dict):
-        return _batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return _batch_len(batch[0])
-    raise PhalanxError(f"cannot tell the batch size of a {type(batch).__name__} batch; batches should be tensors or dicts/lists/tuples of them")
+    """Samples in a batch: the first dimension of its first tensor, else the length of its first list."""
+    found: list[int] = []
+    map_tensors(batch, lambda t: found.append(t.shape[0]) if t.dim() else None)
+    if found:
+        return found[0]
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            return len(value)
+    raise PhalanxError(f"cannot tell the batch size of a {type(batch).__name__} batch; batches should hold tensors or lists with one entry per sample")
 
 
 def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:

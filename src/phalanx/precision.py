@@ -21,10 +21,13 @@ class Precision:
         self.device = device
         self.scaler = torch.amp.GradScaler(device.type) if config.mode == "fp16" else None
         if device.type == "cuda":
-            # Process-wide switches, so they are set once here rather than per call.
-            torch.backends.cuda.matmul.allow_tf32 = config.tf32
-            torch.backends.cudnn.allow_tf32 = config.tf32
-            torch.backends.cudnn.benchmark = config.cudnn_benchmark
+            # Process-wide switches, so they are set once here rather than per call. Off means
+            # PyTorch's defaults (TF32 for cuDNN convolutions, not for matmuls), left untouched.
+            if config.tf32:
+                torch.backends.cuda.matmul.allow_tf32 = True
+                torch.backends.cudnn.allow_tf32 = True
+            if config.cudnn_benchmark:
+                torch.backends.cudnn.benchmark = True
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.mode == "fp32":
@@ -54,13 +57,18 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer; returns False when fp16 overflow made the scaler skip it."""
+    def step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        """Step every optimizer; returns False when fp16 overflow made the scaler skip the step.
+
+        The scaler is updated once, after all optimizers: updating it between them would forget
+        which ones were already unscaled."""
         if self.scaler is None:
-            optimizer.step()
+            for optimizer in optimizers:
+                optimizer.step()
             return True
         scale_before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
+        for optimizer in optimizers:
+            self.scaler.step(optimizer)
         self.scaler.update()
         return self.scaler.get_scale() >= scale_before
 

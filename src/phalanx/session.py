@@ -25,11 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.loader import load_config, override_config
+from phalanx.config.template import write_resolved
 from phalanx.config.schema import Config
 from phalanx.data import DeviceLoader, is_training_loader, shard_loader
 from phalanx.errors import ConfigError, PhalanxError
@@ -49,10 +50,13 @@ class Session:
         self.context = LaunchContext.from_env()
         if config is None:
             config = load_config(sections=sections, context=self.context)
-        elif sections:
-            config = override_config(config, sections)
+        elif sections or (self.context and self.context.overrides):
+            config = override_config(config, sections, self.context)
         self.config = config
         self.topology = Topology.from_env()
+        if self.context and self.context.run_dir and self.topology.is_main:
+            # The launcher wrote what it knew; this is what the run really uses (code settings too).
+            write_resolved(config, f"{self.context.run_dir}/config.yaml")
         _seed_everything(config.train.seed)
         self.strategy = create_strategy(config, self.topology)
         self.strategy.setup_environment()
@@ -78,6 +82,7 @@ class Session:
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
         self._closed = False
+        self._set_up = False
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
 
@@ -116,7 +121,8 @@ class Session:
         """
         loaders = [o for o in objects if isinstance(o, DataLoader)]
         train = [l for l in loaders if is_training_loader(l)]
-        self._plan(train[0].batch_size if train else None)
+        if train or self.lr_scaling is None:
+            self._plan(train[0].batch_size if train else None)
         out = []
         for obj in objects:
             if isinstance(obj, DataLoader):
@@ -125,15 +131,22 @@ class Session:
                 out.append(self._setup_model(obj))
             elif isinstance(obj, torch.optim.Optimizer):
                 out.append(self._setup_optimizer(obj))
+            elif isinstance(obj, ReduceLROnPlateau):
+                raise PhalanxError(
+                    "ReduceLROnPlateau needs a metric, so phalanx cannot step it per optimizer step; "
+                    "leave it out of setup() and call scheduler.step(metric) yourself after each evaluation"
+                )
             elif isinstance(obj, LRScheduler):
                 self._schedulers.append((obj, obj.last_epoch))
                 out.append(obj)
             else:
                 raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
-        # Every rank built the same initial weights from the same seed; from here on ranks should
-        # draw different dropout masks and augmentations.
-        _seed_everything(self.config.train.seed + self.rank)
-        self._announce()
+        if not self._set_up:
+            # Every rank built the same initial weights from the same seed; from here on ranks
+            # should draw different dropout masks and augmentations.
+            _seed_everything(self.config.train.seed + self.rank)
+            self._announce()
+            self._set_up = True
         return out[0] if len(out) == 1 else tuple(out)
 
     def setup_loader(self, loader: DataLoader, *, train: bool) -> DeviceLoader:
@@ -193,8 +206,10 @@ class Session:
         user_zero_grad = optimizer.zero_grad
 
         def zero_grad(set_to_none: bool = True) -> None:
-            # Harmless at a global-batch boundary (gradients are already cleared), fatal inside one.
-            if self._micro and not self._in_step:
+            # Harmless at a global-batch boundary (gradients are already cleared); fatal when it
+            # would drop the gradients of earlier micro-steps of this global batch.
+            earlier = self._micro - (1 if self._in_accumulate else 0)
+            if earlier > 0 and not self._in_step:
                 raise PhalanxError(
                     "optimizer.zero_grad() was called in the middle of an accumulation window and would drop gradients; "
                     "remove it: phalanx zeroes gradients after each optimizer step"
@@ -243,9 +258,13 @@ class Session:
         if description is None:
             description = f"epoch {self.epoch + 1}/{self.config.train.epochs}" if train else "eval"
         meter = Throughput()
+        try:
+            total = len(loader)
+        except TypeError:  # an IterableDataset without __len__
+            total = None
         yield from track(
             loader,
-            total=len(loader),
+            total=total,
             samples_per_batch=per_rank * dp,
             description=description,
             show=self.is_main and self.config.train.progress,
@@ -297,20 +316,22 @@ class Session:
         for sched, seen in self._schedulers:
             if sched.last_epoch != seen:
                 raise PhalanxError("scheduler.step() was called directly; remove it: phalanx steps the scheduler once per optimizer step")
-        if self.config.optim.max_grad_norm is not None and self._models:
-            self.clip_grad_norm_(self.config.optim.max_grad_norm, self._models[0])
+        if self.config.optim.max_grad_norm is not None:
+            for model in self._models:  # each model's norm separately
+                self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
         multiplier = self.lr_multiplier
-        stepped = True
+        base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
         self._in_step = True
         try:
             for opt in self._optimizers:
-                base = [group["lr"] for group in opt.param_groups]
                 for group in opt.param_groups:
                     group["lr"] = group["lr"] * multiplier
-                try:
-                    stepped = self.precision.step(opt) and stepped
-                finally:
-                    for group, lr in zip(opt.param_groups, base):
+            try:
+                stepped = self.precision.step(self._optimizers)
+            finally:
+                # Restored before the scheduler steps, so it only ever sees its own values.
+                for opt, lrs in zip(self._optimizers, base):
+                    for group, lr in zip(opt.param_groups, lrs):
                         group["lr"] = lr
             if stepped:
                 self.step_count += 1

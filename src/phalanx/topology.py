@@ -119,6 +119,12 @@ def visible_cuda_devices(env: Mapping[str, str] | None = None) -> list[str] | No
     return [d.strip() for d in raw.split(",") if d.strip()]
 
 
+def user_omp_threads(env: Mapping[str, str] | None = None) -> str | None:
+    """OMP_NUM_THREADS as the user exported it, if they did."""
+    env = os.environ if env is None else env
+    return env.get("OMP_NUM_THREADS")
+
+
 def cpu_count() -> int:
     """Cores this process may use (the affinity mask, not the machine's total)."""
     try:

@@ -102,7 +102,7 @@ def describe_validation_error(err: ValidationError, sources: Mapping[str, str]) 
     """The first problem as one line: field path, what is wrong, what is allowed, where it came from."""
     first = err.errors()[0]
     path = ".".join(str(p) for p in first["loc"])
-    origin = sources.get(path)
+    origin = sources.get(path) or next((src for key, src in sources.items() if key.startswith(path + ".")), None)
     suffix = f" (from {origin})" if origin and origin != "default" else ""
     if first["type"] == "extra_forbidden":
         section, _, leaf = path.rpartition(".")
@@ -144,18 +144,22 @@ def load_config(
         _merge(tree, read_file(file), f"file {file}", sources)
     if sections:
         _merge(tree, _code_sections(sections), "code", sources)
-    lines = list(context.overrides if context else ()) + list(overrides)
+    lines = list(overrides) + list(context.overrides if context else ())
     if lines:
         _merge(tree, _nest(dict(parse_override(line) for line in lines)), "--set", sources)
 
     return _validated(tree, sources)
 
 
-def override_config(config: Config, sections: Mapping[str, Any]) -> Config:
-    """A copy of ``config`` with keyword-argument sections from code merged on top."""
+def override_config(config: Config, sections: Mapping[str, Any], context: LaunchContext | None = None) -> Config:
+    """A copy of ``config`` with keyword-argument sections from code merged on top, and the
+    launcher's ``--set`` lines (from ``context``) on top of those."""
     sources = dict(config.sources)
     tree = config.model_dump()
-    _merge(tree, _code_sections(sections), "code", sources)
+    if sections:
+        _merge(tree, _code_sections(sections), "code", sources)
+    if context and context.overrides:
+        _merge(tree, _nest(dict(parse_override(line) for line in context.overrides)), "--set", sources)
     return _validated(tree, sources)
 
 
@@ -166,3 +170,4 @@ def _validated(tree: dict[str, Any], sources: dict[str, str]) -> Config:
         raise ConfigError(describe_validation_error(err, sources)) from None
     config._sources.update({k: sources.get(k, "default") for k in config.flat()})
     return config
+

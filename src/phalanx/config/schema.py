@@ -39,7 +39,7 @@ class OptimConfig(_Section):
 
 class PrecisionConfig(_Section):
     mode: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler)")
-    tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA (faster on Ampere and newer, ~1e-3 relative error)")
+    tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA (faster on Ampere and newer, ~1e-3 relative error); false keeps PyTorch's defaults")
     cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest convolution algorithms for fixed input shapes")
 
 
@@ -63,10 +63,10 @@ class LaunchConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _ranks_as_text(cls, data):
-        # YAML reads `ranks: 0` as an int; accept it.
-        if isinstance(data, dict) and isinstance(data.get("ranks"), int):
-            data = {**data, "ranks": str(data["ranks"])}
+    def _numbers_as_text(cls, data):
+        # YAML reads `ranks: 0` and `gpus: 1` as ints; accept them.
+        if isinstance(data, dict):
+            data = {**data, **{k: str(data[k]) for k in ("ranks", "gpus") if isinstance(data.get(k), int) and not isinstance(data.get(k), bool)}}
         return data
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -16,25 +17,37 @@ HEADER = """\
 """
 
 
-def render(config: Config) -> str:
-    lines = [HEADER.rstrip("\n")]
+RESOLVED_HEADER = """\
+# The config this run used, each value followed by where it came from. Reusable: --config FILE.
+"""
+
+
+def render(config: Config, *, sources: bool = False) -> str:
+    """Commented YAML: each value's description, or with ``sources`` where the value came from."""
+    lines = [(RESOLVED_HEADER if sources else HEADER).rstrip("\n")]
     for name in type(config).model_fields:
         lines.append("")
-        lines.extend(_section(name, getattr(config, name), indent=0))
+        lines.extend(_section(name, getattr(config, name), 0, name, config.sources if sources else None))
     return "\n".join(lines) + "\n"
 
 
-def _section(name: str, model: BaseModel, indent: int) -> list[str]:
+def write_resolved(config: Config, path: str | Path) -> None:
+    Path(path).write_text(render(config, sources=True), encoding="utf-8")
+
+
+def _section(name: str, model: BaseModel, indent: int, path: str, sources: dict[str, str] | None) -> list[str]:
     pad = "  " * indent
     out = [f"{pad}{name}:"]
     for field_name, info in type(model).model_fields.items():
         value = getattr(model, field_name)
+        key = f"{path}.{field_name}"
         if isinstance(value, BaseModel):
-            out.extend(_section(field_name, value, indent + 1))
+            out.extend(_section(field_name, value, indent + 1, key, sources))
             continue
         text = f"{pad}  {field_name}: {scalar(value)}"
-        if info.description:
-            text = f"{text:<40} # {info.description}"
+        comment = sources.get(key, "default") if sources is not None else info.description
+        if comment:
+            text = f"{text:<40} # {comment}"
         out.append(text)
     return out
 

@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: train.epochs, 12 for the demo)")
     args = parser.parse_args()
 
-    # Code defaults for the demo; phalanx.yaml and --set still override them.
+    # Code defaults for the demo: they beat phalanx.yaml, and `--set train.epochs=N` beats them.
     session = phalanx.Session(train={"epochs": args.epochs or 12})
     train_set, test_set = train_test_split()
     model = DigitsCNN()

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
-import yaml
 
 from phalanx.config.batch import plan_batch
 from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
+from phalanx.config.template import write_resolved
 from phalanx.errors import PhalanxError
 from phalanx.launch.devices import DevicePlan, plan_devices
 from phalanx.strategies import strategy_class
-from phalanx.topology import LaunchContext, cpu_count, visible_cuda_devices
+from phalanx.topology import LaunchContext, cpu_count, user_omp_threads, visible_cuda_devices
 
 _LOG_TAIL_LINES = 15
 
@@ -81,7 +81,8 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     ranks = request.ranks if request.ranks is not None else launch.ranks
     if ranks not in ("0", "all"):
         raise PhalanxError(f"--ranks must be 0 or all, got '{ranks}'")
-    run_dir = _new_run_dir(Path(request.run_dir or launch.run_dir), request.name or Path(request.script).stem)
+    # Absolute, so a script that changes directory still writes into its run directory.
+    run_dir = _new_run_dir(Path(request.run_dir or launch.run_dir).resolve(), request.name or Path(request.script).stem)
     context = LaunchContext(
         config_file=str(Path(request.config_file).resolve()) if request.config_file else None,
         overrides=tuple(request.overrides),
@@ -96,7 +97,7 @@ def launch(request: LaunchRequest) -> int:
     """Run the job; returns the exit code for the CLI."""
     plan = prepare(request)
     plan.run_dir.mkdir(parents=True, exist_ok=False)
-    (plan.run_dir / "config.yaml").write_text(yaml.safe_dump(plan.config.model_dump(), sort_keys=False))
+    write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
     print(plan.describe(), flush=True)
     return run_workers(plan)
 
@@ -123,7 +124,9 @@ def run_workers(plan: LaunchPlan) -> int:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(plan.run_dir / "elastic")),
     )
-    env = {**plan.context.to_env(), "OMP_NUM_THREADS": str(plan.devices.omp_num_threads), "PYTHONUNBUFFERED": "1"}
+    env = {**plan.context.to_env(), "PYTHONUNBUFFERED": "1"}
+    if user_omp_threads() is None:  # a value the user exported wins, as with torchrun
+        env["OMP_NUM_THREADS"] = str(plan.devices.omp_num_threads)
     if plan.devices.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = plan.devices.cuda_visible_devices
     env.update(plan.request.extra_env)
@@ -158,10 +161,12 @@ def _report_failure(plan: LaunchPlan, failure) -> int:
     summary = message.splitlines()[-1] if message and not message.startswith("To enable traceback") else "no exception recorded"
     print(f"phalanx: rank {rank} failed first ({how}): {summary}", file=sys.stderr)
     if len(failed) > 1:
-        print(f"phalanx: failed ranks: {', '.join(map(str, failed))}", file=sys.stderr)
+        print(f"phalanx: ranks that exited with an error (the others may have failed because rank {rank} did): {', '.join(map(str, failed))}", file=sys.stderr)
     log = plan.run_dir / "logs" / f"rank{rank}.log"
-    if log.is_file():
-        tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+    tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:] if log.is_file() else []
+    if not tail:
+        print(f"phalanx: rank {rank} wrote nothing to {log}", file=sys.stderr)
+    else:
         print(f"phalanx: last lines of {log}:", file=sys.stderr)
         for line in tail:
             print(f"  | {line}", file=sys.stderr)
