@@ -114,7 +114,10 @@ def main() -> None:
     runs: dict[tuple[str, int], list[dict]] = {}
     for repeat in range(args.repeats):
         for n in counts:
-            for name, fn in CONTENDERS.items():  # alternate, so drift hits every contender alike
+            order = list(CONTENDERS.items())
+            if repeat % 2:  # alternate who goes first, so drift and warm caches favour no one
+                order.reverse()
+            for name, fn in order:
                 out = phalanx.spawn(fn, nprocs=n, args=(args.micro_batch, args.warmup, args.steps), timeout=600)[0]
                 runs.setdefault((name, n), []).append(out)
                 print(f"  repeat {repeat + 1}/{args.repeats} {name:8s} x{n}: {out['samples_per_s']:9.1f} samples/s", file=sys.stderr)

@@ -134,3 +134,31 @@ def test_demo_reaches_its_accuracy(tmp_path):
     assert record["test_accuracy"] >= 0.95
     assert record["test_images"] == 359
     assert record["samples_per_s"] > 0
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    import os
+    import signal
+    import time
+
+    (tmp_path / "sleepy.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "launch", "sleepy.py"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _log_says(tmp_path, "sleeping"):
+            assert time.monotonic() < deadline, "workers never started"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 130, err
+    assert "phalanx: stopped by signal SIGINT" in err
+    assert "Traceback" not in err
+
+
+def _log_says(cwd: Path, text: str) -> bool:
+    logs = list((cwd / "runs").glob("*/logs/rank0.log")) if (cwd / "runs").exists() else []
+    return bool(logs) and text in logs[0].read_text()

@@ -119,10 +119,6 @@ class Session:
         ``batch.global_batch_size`` says otherwise. A sequential one is an evaluation loader: its
         ``batch_size`` is per process and ``gather_for_metrics`` makes its results exact.
         """
-        loaders = [o for o in objects if isinstance(o, DataLoader)]
-        train = [l for l in loaders if is_training_loader(l)]
-        if train or self.lr_scaling is None:
-            self._plan(train[0].batch_size if train else None)
         out = []
         for obj in objects:
             if isinstance(obj, DataLoader):
@@ -141,6 +137,8 @@ class Session:
                 out.append(obj)
             else:
                 raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
+        if self.lr_scaling is None:
+            self._plan(None)  # no training loader: the config's sizes alone
         if not self._set_up:
             # Every rank built the same initial weights from the same seed; from here on ranks
             # should draw different dropout masks and augmentations.
@@ -153,8 +151,7 @@ class Session:
         """Shard one DataLoader explicitly as a training (``train=True``) or evaluation loader."""
         dp = self.strategy.data_parallel_size
         if train:
-            if self.batch is None:
-                self._plan(loader.batch_size)
+            self._plan(loader.batch_size)
             batch_size, multiple_of = self.batch.micro_batch_size, self.batch.global_batch_size
         else:
             # Padding the order to a multiple of the process count gives every rank the same number

@@ -200,12 +200,18 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_elastic(quiet: bool) -> Iterator[None]:
-    # The agent logs every worker failure at length; phalanx prints its own summary instead.
-    logger = logging.getLogger("torch.distributed")
-    level = logger.level
-    if quiet:
-        logger.setLevel(logging.CRITICAL)
+    # The agent logs every worker failure and signal at length; phalanx prints its own summary.
+    # Its loggers carry their own levels, so each one is raised, not just the parent.
+    if not quiet:
+        yield
+        return
+    names = ["torch.distributed"] + [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

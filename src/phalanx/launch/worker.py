@@ -41,10 +41,13 @@ def main(argv: list[str]) -> int:
         _record(err)
         print(f"phalanx: error: {err}", file=getattr(sys.stderr, "log", sys.stderr), flush=True)
         return err.exit_code
+    except KeyboardInterrupt as err:  # Ctrl-C: the launcher says so once for the whole job
+        _record(err)
+        return 130
     except BaseException as err:  # noqa: BLE001 - reported, then the process exits non-zero
         traceback.print_exc()
         _record(err)
-        return 130 if isinstance(err, KeyboardInterrupt) else 1
+        return 1
     finally:
         _teardown()
         for stream in (sys.stdout, sys.stderr):
