@@ -183,3 +183,25 @@ def test_evaluation_batches_of_dicts_with_text():
     assert _batch_len({"text": ["a", "b"]}) == 2
     with pytest.raises(PhalanxError, match="cannot tell the batch size"):
         _batch_len({"n": 3})
+
+
+def test_unfinished_window_of_an_iterable_loader_is_dropped_at_epoch_end(capsys):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            x, y = make_data(12).tensors
+            return iter(zip(x, y))
+
+    session = _session(batch={"global_batch_size": 8, "micro_batch_size": 4}, train={"epochs": 2, "progress": False})
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Stream(), batch_size=4)  # 3 micro-batches: one window and a half
+    model, optimizer = session.setup(model, optimizer)
+    loader = session.setup_loader(loader, train=True)
+    for _ in session.epochs():
+        for x, y in session.progress(loader):
+            with session.accumulate(model):
+                session.backward(F.mse_loss(model(x), y))
+    assert session.step_count == 2
+    assert all(p.grad is None for p in model.parameters())
+    assert capsys.readouterr().out.count("dropping 1 micro-step(s)") == 2
+    session.close()

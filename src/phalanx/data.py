@@ -40,8 +40,8 @@ class ShardedSampler(Sampler[int]):
         self.epoch = 0
         if drop_last and dataset_len < multiple_of:
             raise PhalanxError(
-                f"data.drop_last is on but the dataset has {dataset_len} samples, fewer than one global batch of {multiple_of}; "
-                "lower batch.global_batch_size or turn data.drop_last off"
+                f"drop_last is on (data.drop_last or the DataLoader's drop_last=True) but the dataset has {dataset_len} samples, "
+                f"fewer than one global batch of {multiple_of}; lower batch.global_batch_size or turn drop_last off"
             )
 
     def set_epoch(self, epoch: int) -> None:

@@ -84,7 +84,8 @@ def track(
         status = _status(loss(), meter.per_second)
         bar.update(task, completed=_count(meter, samples_per_batch), status=status)
     if console.file is not stream:
-        print(f"{description}: {_count(meter, samples_per_batch)}/{total} batches in {meter.seconds:.1f}s, {status}", file=stream.log, flush=True)
+        done = _count(meter, samples_per_batch)
+        print(f"{description}: {done}{f'/{total}' if total is not None else ''} batches in {meter.seconds:.1f}s, {status}", file=stream.log, flush=True)
 
 
 def _count(meter: Throughput, per_batch: int) -> int:

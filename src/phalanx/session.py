@@ -346,9 +346,9 @@ class Session:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
         # synchronised, so stepping on them would let ranks diverge.
         self.print(f"phalanx: dropping {self._micro} micro-step(s) that did not complete a global batch at the end of the epoch")
+        self._micro = 0  # first, so the zero_grad guard sees a deliberate reset
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
-        self._micro = 0
 
     def _loss_value(self) -> float | None:
         return float(self._last_loss) if self._last_loss is not None else None

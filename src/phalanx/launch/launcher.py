@@ -9,7 +9,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -73,6 +73,9 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
         visible=visible_cuda_devices(),
         cores=cpu_count(),
     )
+    exported = user_omp_threads()
+    if exported is not None and exported.isdigit():
+        devices = replace(devices, omp_num_threads=int(exported))  # the user's value is the one used
     strategy_cls = strategy_class(name, devices.nproc)
     strategy_cls.check_world(devices.nproc)
     if config.batch.global_batch_size is not None:
