@@ -191,7 +191,7 @@ def test_unfinished_window_of_an_iterable_loader_is_dropped_at_epoch_end(capsys)
             x, y = make_data(12).tensors
             return iter(zip(x, y))
 
-    session = _session(batch={"global_batch_size": 8, "micro_batch_size": 4}, train={"epochs": 2, "progress": False})
+    session = Session(Config(), batch={"global_batch_size": 8, "micro_batch_size": 4}, train={"epochs": 2, "progress": False})
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(Stream(), batch_size=4)  # 3 micro-batches: one window and a half
