@@ -111,3 +111,48 @@ def seen_lrs(global_bs: int, steps: int, **optim) -> dict:
     after = optimizer.param_groups[0]["lr"]
     session.close()
     return {"used": used, "after": after}
+
+
+def held_bytes(strategy: str, **sections) -> dict:
+    """Per-rank bytes of parameters, gradients and Adam state after one step and one more backward."""
+    session = Session(Config(), strategy=strategy, batch={"global_batch_size": 16}, train={"progress": False}, **sections)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = session.setup(model, optimizer)
+    x = torch.randn(16 // session.world_size, 64)
+    with session.accumulate(model):
+        session.backward(model(x).pow(2).mean())
+    session.backward(model(x).pow(2).mean())  # gradients present, not yet stepped
+    held = session.strategy.held_bytes(model, optimizer)
+    session.close()
+    return held
+
+
+def clipped_norm(strategy: str) -> float:
+    """The global gradient norm that clip_grad_norm_ reports for the same global batch."""
+    session = Session(Config(), strategy=strategy, batch={"global_batch_size": 16}, train={"progress": False})
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(make_data(16), batch_size=16, shuffle=False)
+    model, optimizer = session.setup(model, optimizer)
+    loader = session.setup_loader(loader, train=True)
+    norm = None
+    for x, y in loader:
+        with session.accumulate(model):
+            session.backward(F.mse_loss(model(x), y))
+            norm = float(session.clip_grad_norm_(1e9))
+    session.close()
+    return norm
+
+
+def compute_dtypes(strategy: str, precision: str) -> dict:
+    """The dtype a Linear layer computes in, and the dtype the model hands back."""
+    session = Session(Config(), strategy=strategy, precision=precision, train={"progress": False})
+    model = make_model()
+    seen = []
+    model[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    model = session.setup(model)
+    out = model(torch.randn(4, 8))
+    session.close()
+    return {"inside": str(seen[0]), "output": str(out.dtype)}

@@ -34,14 +34,15 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def wrap_forward(self, forward: Callable) -> Callable:
-        """Run ``forward`` under autocast and hand back fp32 outputs, so the loss is computed in fp32."""
+    def wrap_forward(self, forward: Callable, *, autocast: bool = True) -> Callable:
+        """Run ``forward`` under autocast and hand back fp32 outputs, so the loss is computed in fp32.
+        ``autocast=False`` where the strategy casts parameters itself (FSDP's mixed precision)."""
         if self.mode == "fp32":
             return forward
 
         @functools.wraps(forward)
         def wrapped(*args, **kwargs):
-            with self.autocast():
+            with self.autocast() if autocast else contextlib.nullcontext():
                 out = forward(*args, **kwargs)
             return _to_fp32(out)
 

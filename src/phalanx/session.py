@@ -18,6 +18,7 @@ import contextlib
 import json
 import random
 import time
+import warnings
 import weakref
 from typing import Any, Iterator
 
@@ -37,6 +38,7 @@ from phalanx.errors import ConfigError, PhalanxError
 from phalanx.lr import LRScaling
 from phalanx.precision import Precision
 from phalanx.progress import Throughput, track
+from phalanx.recompute import apply_activation_checkpointing
 from phalanx.strategies import create_strategy
 from phalanx.topology import LaunchContext, Topology
 
@@ -119,24 +121,12 @@ class Session:
         ``batch.global_batch_size`` says otherwise. A sequential one is an evaluation loader: its
         ``batch_size`` is per process and ``gather_for_metrics`` makes its results exact.
         """
-        out = []
-        for obj in objects:
-            if isinstance(obj, DataLoader):
-                out.append(self.setup_loader(obj, train=is_training_loader(obj)))
-            elif isinstance(obj, nn.Module):
-                out.append(self._setup_model(obj))
-            elif isinstance(obj, torch.optim.Optimizer):
-                out.append(self._setup_optimizer(obj))
-            elif isinstance(obj, ReduceLROnPlateau):
-                raise PhalanxError(
-                    "ReduceLROnPlateau needs a metric, so phalanx cannot step it per optimizer step; "
-                    "leave it out of setup() and call scheduler.step(metric) yourself after each evaluation"
-                )
-            elif isinstance(obj, LRScheduler):
-                self._schedulers.append((obj, obj.last_epoch))
-                out.append(obj)
-            else:
-                raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
+        # Models first: a sharding strategy replaces parameters, and optimizers follow them.
+        priority = {nn.Module: 0, torch.optim.Optimizer: 1}
+        order = sorted(range(len(objects)), key=lambda i: next((p for t, p in priority.items() if isinstance(objects[i], t)), 2))
+        out: list[Any] = [None] * len(objects)
+        for i in order:
+            out[i] = self._setup_one(objects[i])
         if self.lr_scaling is None:
             self._plan(None)  # no training loader: the config's sizes alone
         if not self._set_up:
@@ -146,6 +136,23 @@ class Session:
             self._announce()
             self._set_up = True
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _setup_one(self, obj: Any) -> Any:
+        if isinstance(obj, DataLoader):
+            return self.setup_loader(obj, train=is_training_loader(obj))
+        if isinstance(obj, nn.Module):
+            return self._setup_model(obj)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self._setup_optimizer(obj)
+        if isinstance(obj, ReduceLROnPlateau):
+            raise PhalanxError(
+                "ReduceLROnPlateau needs a metric, so phalanx cannot step it per optimizer step; "
+                "leave it out of setup() and call scheduler.step(metric) yourself after each evaluation"
+            )
+        if isinstance(obj, LRScheduler):
+            self._schedulers.append((obj, obj.last_epoch))
+            return obj
+        raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
 
     def setup_loader(self, loader: DataLoader, *, train: bool) -> DeviceLoader:
         """Shard one DataLoader explicitly as a training (``train=True``) or evaluation loader."""
@@ -191,9 +198,10 @@ class Session:
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
+        apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
         wrapped = self.strategy.wrap_model(model)
         if self.precision.mode != "fp32":
-            wrapped.forward = self.precision.wrap_forward(wrapped.forward)
+            wrapped.forward = self.precision.wrap_forward(wrapped.forward, autocast=not self.strategy.handles_precision)
         self._models.append(wrapped)
         return wrapped
 
@@ -332,8 +340,13 @@ class Session:
                         group["lr"] = lr
             if stepped:
                 self.step_count += 1
-                for sched, _ in self._schedulers:
-                    sched.step()
+                with warnings.catch_warnings():
+                    # A sharding strategy steps a new optimizer built on the scheduler's param
+                    # groups; torch cannot see that the step came first, phalanx guarantees it.
+                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning)
+                    warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning)
+                    for sched, _ in self._schedulers:
+                        sched.step()
                 self._schedulers = [(sched, sched.last_epoch) for sched, _ in self._schedulers]
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)

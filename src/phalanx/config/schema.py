@@ -19,9 +19,19 @@ class DDPConfig(_Section):
     broadcast_buffers: bool = Field(True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward")
 
 
+class FSDPConfig(_Section):
+    reshard_after_forward: bool = Field(True, description="free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, less communication)")
+    wrap: list[str] = Field(default_factory=list, description="module class names that each become a shard unit, e.g. [TransformerBlock] (empty: automatic by size)")
+    min_params: int = Field(100_000, gt=0, description="automatic wrapping: a submodule with at least this many parameters of its own becomes a shard unit")
+    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of gradient reduction under bf16 precision")
+    cpu_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in CPU memory (slow; for models that do not fit otherwise)")
+
+
 class StrategyConfig(_Section):
-    name: str = Field("auto", description="auto | single | dp | ddp (auto: ddp with several processes, else single)")
+    name: str = Field("auto", description="auto | single | dp | ddp | zero1 | fsdp (auto: ddp with several processes, else single)")
+    activation_checkpointing: list[str] = Field(default_factory=list, description="module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]")
     ddp: DDPConfig = Field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
 
 
 class BatchConfig(_Section):

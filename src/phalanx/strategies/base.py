@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,8 @@ class Strategy:
     name: ClassVar[str]
     # How many processes per node the launcher starts: None means one per device.
     processes_per_node: ClassVar[int | None] = None
+    # True when the strategy casts parameters itself, so the Session does not add autocast.
+    handles_precision: ClassVar[bool] = False
 
     def __init__(self, config: Config, topology: Topology):
         self.config = config
@@ -77,8 +80,26 @@ class Strategy:
         """Full state dict of the bare model: loadable into a plain ``nn.Module``, no ``module.`` prefix."""
         return self.unwrap(model).state_dict()
 
+    def sharded_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """What torch.distributed.checkpoint saves: each rank's own shards (the full dict when unsharded)."""
+        return self.model_state_dict(model)
+
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.unwrap(model).load_state_dict(state)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer state this rank holds (its shard, for sharding strategies)."""
+        return optimizer.state
+
+    def held_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state that this rank holds itself."""
+        params = list(model.parameters())
+        state = self.optimizer_state(optimizer) if optimizer is not None else {}
+        return {
+            "parameters": sum(_nbytes(p) for p in params),
+            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(_nbytes(v) for per_param in state.values() for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+        }
 
     def teardown(self) -> None:
         if self._owns_process_group and dist.is_initialized():
@@ -87,3 +108,17 @@ class Strategy:
 
     def describe(self) -> str:
         return self.name
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's own shard
+    return local.numel() * local.element_size()
+
+
+def rebuild_arguments(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's defaults that its class's constructor accepts (AdamW, for one, keeps
+    ``decoupled_weight_decay`` in its defaults but takes no such argument)."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}

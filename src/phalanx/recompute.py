@@ -1,0 +1,36 @@
+"""Activation checkpointing: chosen blocks keep only their inputs and recompute their activations
+during backward, trading compute for memory. Applied from outside, to any strategy's model."""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from phalanx.errors import ConfigError
+
+
+def apply_activation_checkpointing(model: nn.Module, class_names: list[str]) -> int:
+    """Recompute the forward of every submodule whose class name is listed; returns how many."""
+    if not class_names:
+        return 0
+    found = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
+    if not found:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(
+            f"strategy.activation_checkpointing names {', '.join(class_names)}, but the model has no such submodule; "
+            f"its module classes are: {', '.join(present)}"
+        )
+    for module in found:
+        module.forward = _checkpointed(module.forward)
+    return len(found)
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        # Non-reentrant checkpointing works with keyword arguments, DDP and FSDP.
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

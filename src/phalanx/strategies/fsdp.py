@@ -1,0 +1,119 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state sharded
+over processes; parameters are all-gathered per shard unit for forward and backward."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from phalanx.errors import ConfigError
+from phalanx.strategies.base import Strategy, rebuild_arguments
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+    handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
+
+    def __init__(self, config, topology):
+        super().__init__(config, topology)
+        if config.precision.mode == "fp16":
+            raise ConfigError("strategy fsdp does not support precision.mode fp16 (its loss scaling would need a sharded inf check); use bf16")
+        self._new_params: dict[int, nn.Parameter] = {}
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        # Imported here: torch.distributed.fsdp costs a second at `import phalanx` otherwise.
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        opts = self.config.strategy.fsdp
+        before = dict(model.named_parameters())
+        kwargs = {"reshard_after_forward": opts.reshard_after_forward}
+        if self.config.precision.mode == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_DTYPES[opts.reduce_dtype])
+        if opts.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for unit in self._shard_units(model):
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        # fully_shard replaces every parameter with a sharded one; optimizers built on the old
+        # ones are rebuilt in wrap_optimizer through this map.
+        after = dict(model.named_parameters())
+        self._new_params = {id(p): after[name] for name, p in before.items()}
+        return model
+
+    def _shard_units(self, model: nn.Module) -> list[nn.Module]:
+        opts = self.config.strategy.fsdp
+        if opts.wrap:
+            units = [m for m in model.modules() if type(m).__name__ in opts.wrap and m is not model]
+            if not units:
+                present = sorted({type(m).__name__ for m in model.modules()})
+                raise ConfigError(f"strategy.fsdp.wrap names {', '.join(opts.wrap)}, but the model has no such submodule; its module classes are: {', '.join(present)}")
+            return units
+        # Automatic: deepest first, a submodule whose not-yet-claimed parameters reach min_params.
+        units, claimed = [], set()
+        for module in _post_order(model):
+            if module is model:
+                continue
+            own = [p for p in module.parameters() if id(p) not in claimed]
+            if sum(p.numel() for p in own) >= opts.min_params:
+                units.append(module)
+                claimed.update(id(p) for p in own)
+        return units
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if not self._new_params:
+            raise ConfigError("strategy fsdp: pass the model to setup() together with (or before) its optimizer")
+        for group in optimizer.param_groups:
+            missing = [p for p in group["params"] if id(p) not in self._new_params]
+            if missing:
+                raise ConfigError("strategy fsdp: the optimizer holds parameters that are not in the model given to setup()")
+            group["params"] = [self._new_params[id(p)] for p in group["params"]]
+        # Same group dicts, so a scheduler built on the user's optimizer still steers this one.
+        return type(optimizer)(optimizer.param_groups, **rebuild_arguments(optimizer))
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return _gradient_sync_off(model)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = super().clip_grad_norm_(model, max_norm)
+        # The norm of sharded gradients is a DTensor reduced over every shard: the global norm.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights on CPU, on rank 0 (other ranks get an empty dict, as torch does)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def sharded_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def describe(self) -> str:
+        mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"
+        return f"fsdp over {self.topology.world_size} processes ({mode})"
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(model: nn.Module):
+    # Gradients accumulate unsharded until the last micro-step, which then reduce-scatters once.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module

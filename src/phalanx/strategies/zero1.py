@@ -1,0 +1,29 @@
+"""ZeRO stage 1: DDP for gradients, optimizer state sharded over processes with
+torch.distributed.optim.ZeroRedundancyOptimizer (each rank updates and broadcasts its shard)."""
+
+from __future__ import annotations
+
+import torch
+
+from phalanx.strategies.base import rebuild_arguments
+from phalanx.strategies.ddp import DDP
+
+
+class Zero1(DDP):
+    name = "zero1"
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        # Imported here: torch.distributed.optim costs most of a second at `import phalanx`.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # The user's param-group dicts are handed over as they are, so a scheduler built on the
+        # user's optimizer keeps steering the learning rate of the sharded one.
+        return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer), **rebuild_arguments(optimizer))
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        local = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's optimizer of this rank's shard
+        return local.state if local is not None else optimizer.state
+
+    def describe(self) -> str:
+        return f"zero1 over {self.topology.world_size} processes (optimizer state sharded)"
+

@@ -1,0 +1,65 @@
+"""Sharding strategies on 2 gloo processes: same weights as one process, about 1/N of the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import phalanx
+from _workers import clipped_norm, compute_dtypes, held_bytes, make_model, reference, train
+from test_session_single import rel_diff
+
+pytestmark = pytest.mark.multiprocess
+TIMEOUT = 180
+
+SHARDED = {
+    "zero1": "zero1",
+    "fsdp-zero3": {"name": "fsdp", "fsdp": {"reshard_after_forward": True}},
+    "fsdp-zero2-wrapped": {"name": "fsdp", "fsdp": {"reshard_after_forward": False, "wrap": ["Linear"]}},
+    "fsdp-checkpointed": {"name": "fsdp", "activation_checkpointing": ["Linear"]},
+    "ddp-checkpointed": {"name": "ddp", "activation_checkpointing": ["Tanh"]},
+}
+
+
+@pytest.mark.parametrize("strategy", SHARDED.values(), ids=SHARDED.keys())
+def test_matches_one_process_with_accumulation(strategy):
+    # 2 processes x 2 micro-steps of 4 against 1 process x 1 step of 16.
+    out = phalanx.spawn(train, nprocs=2, args=(strategy, 16, 4, 6), timeout=TIMEOUT)[0]  # full weights on rank 0
+    assert out["accumulation"] == 2 and out["steps"] == out["scheduler_steps"] == 6
+    ref = reference(16, 6)
+    assert list(out["state"]) == list(ref)  # plain names: loads into the bare model
+    assert rel_diff(out["state"], ref) < 1e-5
+    make_model().load_state_dict(out["state"])
+
+
+@pytest.mark.parametrize(
+    "name, sharded", [("ddp", ()), ("zero1", ("optimizer",)), ("fsdp", ("parameters", "gradients", "optimizer"))]
+)
+def test_each_rank_holds_about_one_nth(name, sharded):
+    single = held_bytes("single")
+    per_rank = phalanx.spawn(held_bytes, nprocs=2, args=(name,), timeout=TIMEOUT)
+    for kind in ("parameters", "gradients", "optimizer"):
+        for held in per_rank:
+            ratio = held[kind] / single[kind]
+            if kind in sharded:
+                assert 0.4 <= ratio <= 0.6, (kind, ratio)
+            else:
+                assert ratio == 1.0, (kind, ratio)
+
+
+@pytest.mark.parametrize("name", ["zero1", "fsdp"])
+def test_clipping_sees_the_global_norm(name):
+    single = clipped_norm("single")
+    norms = phalanx.spawn(clipped_norm, nprocs=2, args=(name,), timeout=TIMEOUT)
+    assert norms[0] == pytest.approx(single, rel=1e-5) and norms[1] == pytest.approx(single, rel=1e-5)
+
+
+def test_fsdp_refuses_fp16():
+    with pytest.raises(phalanx.ConfigError, match="fsdp does not support precision.mode fp16"):
+        phalanx.Session(phalanx.Config(), strategy="fsdp", precision="fp16")
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero1"])
+def test_bf16_computes_in_bf16_and_returns_fp32(name):
+    out = phalanx.spawn(compute_dtypes, nprocs=2, args=(name, "bf16"), timeout=TIMEOUT)[0]
+    assert out == {"inside": "torch.bfloat16", "output": "torch.float32"}
