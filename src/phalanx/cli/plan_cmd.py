@@ -1,0 +1,143 @@
+"""``phalanx plan``: per-device memory of each strategy, and which one to use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+import torch
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from phalanx.errors import PhalanxError
+from phalanx.plan import count_parameters, load_factory, make_plan, measure_activations
+from phalanx.plan.measure import build
+
+EXAMPLES = {  # name: (factory path, per-sample input shape, input dtype)
+    "digits": ("phalanx.demo.digits:DigitsCNN", "1,8,8", "float"),
+    "gpt": ("phalanx.demo.gpt:TinyGPT", "64", "long"),
+}
+_DTYPES = {"float": torch.float32, "long": torch.long}
+_GIB = 1024**3
+
+
+def register(commands) -> None:
+    p = commands.add_parser(
+        "plan",
+        help="per-device memory of each strategy before you launch",
+        description="Per-device memory of parameters, gradients, optimizer state and activations under each strategy, whether it fits, and which to use.",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="a callable that builds your model")
+    what.add_argument("--example", choices=sorted(EXAMPLES), help="a built-in model: digits (CNN) or gpt (small transformer)")
+    what.add_argument("--params", type=float, metavar="N", help="no model, a parameter count (e.g. 7.5e9): model state only")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for the factory (repeatable)")
+    p.add_argument("--input-shape", metavar="DIMS", help="one sample's input shape without the batch, e.g. 3,224,224 or 128")
+    p.add_argument("--input-dtype", choices=sorted(_DTYPES), help="float (default) or long (token ids)")
+    p.add_argument("--micro-batch", type=int, default=8, metavar="N", help="samples per device per forward (default 8)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="default fp32")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam", help="sgd, sgd with momentum, or adam/adamw (default)")
+    p.add_argument("--devices", type=int, metavar="N", help="devices to shard over (default: visible GPUs, else 2)")
+    p.add_argument("--device-memory", type=float, metavar="GIB", help="memory per device in GiB (default: GPU 0's, when visible)")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="CLASS", help="module class for activation checkpointing (default: the most repeated block)")
+    p.add_argument("--accounting", choices=["phalanx", "zero-paper"], default="phalanx", help="phalanx: what phalanx keeps (fp32 state); zero-paper: 2+2+12 bytes per parameter")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.micro_batch < 1:
+        raise PhalanxError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    devices = args.devices or (torch.cuda.device_count() or 2)
+    if devices < 1:
+        raise PhalanxError(f"--devices must be at least 1, got {devices}")
+    memory = args.device_memory * _GIB if args.device_memory else _gpu_memory()
+    activations = checkpointed = None
+    classes: list[str] = []
+    measured_on = None
+    if args.params is not None:
+        if args.params < 1:
+            raise PhalanxError(f"--params must be a positive count, got {args.params:g}")
+        n_params = int(args.params)
+    else:
+        path, shape, dtype = EXAMPLES[args.example] if args.example else (args.model, None, "float")
+        shape = args.input_shape or shape
+        if shape is None:
+            raise PhalanxError("--input-shape is needed with --model: one sample's shape without the batch, e.g. 3,224,224")
+        dims = _parse_shape(shape)
+        factory = load_factory(path)
+        kwargs = dict(_parse_kv(kv) for kv in args.model_arg)
+        model = build(factory, kwargs, "meta")
+        n_params = count_parameters(model)
+        classes = args.checkpoint or _repeated_block(model)
+        input_dtype = _DTYPES[args.input_dtype or dtype]
+        activations = measure_activations(factory, kwargs, dims, input_dtype, args.precision)
+        if classes:
+            checkpointed = measure_activations(factory, kwargs, dims, input_dtype, args.precision, classes)
+        measured_on = activations.measured_on
+    plan = make_plan(
+        n_params, devices, optimizer=args.optimizer, accounting=args.accounting, micro_batch=args.micro_batch,
+        activations=activations, checkpointed=checkpointed, checkpoint_classes=classes, device_memory=memory,
+    )
+    if args.json:
+        print(json.dumps(plan.to_dict() | {"activations_measured_on": measured_on, "checkpoint_classes": classes}, indent=2))
+        return 0
+    _print(plan, args, measured_on, classes)
+    return 0
+
+
+def _print(plan, args, measured_on, classes) -> None:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    title = f"{plan.n_params:,} parameters, {plan.devices} devices, micro-batch {args.micro_batch}, {args.precision}, {args.optimizer}, {args.accounting} accounting"
+    table = Table(title=title)
+    for col in ("strategy", "parameters", "gradients", "optimizer", "activations", "total / device", "fits"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    unit, scale = ("GiB", _GIB) if max(r.total for r in plan.rows) >= _GIB else ("MiB", 1024**2)
+    fmt = lambda value: f"{value / scale:,.2f} {unit}"  # noqa: E731 - one unit for the whole table
+    for row in plan.rows:
+        fits = "-" if row.fits is None else ("yes" if row.fits else "no")
+        acts = fmt(row.activations) if row.activations is not None else "-"
+        table.add_row(row.label, fmt(row.parameters), fmt(row.gradients), fmt(row.optimizer), acts, fmt(row.total), fits)
+    console.print(table)
+    if measured_on:
+        console.print(f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch"
+                      + (f"; checkpointing recomputes {', '.join(classes)}" if classes else ""))
+    if plan.device_memory is None:
+        console.print("device memory unknown (no GPU visible): pass --device-memory GIB to see what fits and get a recommendation")
+    elif plan.recommendation is None:
+        console.print(f"nothing fits in {plan.device_memory / _GIB:.2f} GiB per device: lower --micro-batch, use more devices, or bf16")
+    else:
+        console.print(f"recommended: {plan.recommendation.label} (the least communication that fits in 90% of {plan.device_memory / _GIB:.2f} GiB)")
+        console.print("phalanx.yaml:\n" + plan.config_lines)
+
+
+def _gpu_memory() -> float | None:
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.split(",") if d.strip())
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise PhalanxError(f"--input-shape expects positive comma-separated sizes such as 3,224,224; got '{text}'")
+    return dims
+
+
+def _parse_kv(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise PhalanxError(f"--model-arg expects key=value, got '{text}'")
+    return key, yaml.safe_load(value)
+
+
+def _repeated_block(model) -> list[str]:
+    """The module class with parameters that repeats most (transformer blocks, residual stages)."""
+    counts = Counter(type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=True)) and len(list(m.children())) > 0)
+    repeated = [(n, c) for n, c in counts.items() if c > 1]
+    return [max(repeated, key=lambda nc: nc[1])[0]] if repeated else []

@@ -1,0 +1,86 @@
+"""The plan: one row per strategy, whether it fits, and the recommendation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from phalanx.plan.accounting import model_state
+from phalanx.plan.measure import Activations
+
+# Least communication first: ddp and zero1 all-reduce 2x the parameters per step; fsdp's
+# reduce-scatter + all-gathers cost 1.5x that (ZeRO paper), and checkpointing recomputes the forward.
+ORDER = ["ddp", "zero1", "fsdp-zero2", "fsdp-zero3"]
+CONFIG_LINES = {
+    "ddp": "strategy:\n  name: ddp",
+    "zero1": "strategy:\n  name: zero1",
+    "fsdp-zero2": "strategy:\n  name: fsdp\n  fsdp:\n    reshard_after_forward: false",
+    "fsdp-zero3": "strategy:\n  name: fsdp\n  fsdp:\n    reshard_after_forward: true",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    strategy: str
+    checkpointing: bool
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float | None
+    total: float
+    fits: bool | None
+
+    @property
+    def label(self) -> str:
+        return self.strategy + (" + checkpointing" if self.checkpointing else "")
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: list[Row]
+    recommendation: Row | None
+    config_lines: str | None
+    n_params: int
+    devices: int
+    device_memory: float | None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["rows"] = [asdict(r) | {"label": r.label} for r in self.rows]
+        out["recommendation"] = self.recommendation.label if self.recommendation else None
+        return out
+
+
+def make_plan(
+    n_params: int,
+    devices: int,
+    *,
+    optimizer: str,
+    accounting: str,
+    micro_batch: int,
+    activations: Activations | None,
+    checkpointed: Activations | None,
+    checkpoint_classes: list[str],
+    device_memory: float | None,
+    headroom: float = 0.9,
+) -> Plan:
+    """``headroom``: the fraction of device memory a plan may use (allocator, CUDA context, buffers)."""
+    rows = []
+    # Every strategy without checkpointing first: recomputing the forward costs about a third
+    # more compute, more than any of the sharding stages costs in communication.
+    for ckpt, acts in ((False, activations), (True, checkpointed)):
+        if ckpt and acts is None:
+            continue
+        for strategy in ORDER:
+            state = model_state(strategy, n_params, devices, optimizer=optimizer, accounting=accounting)
+            act = acts.at(micro_batch) if acts is not None else None
+            total = state.total + (act or 0.0)
+            fits = None if device_memory is None else total <= headroom * device_memory
+            rows.append(Row(strategy, ckpt, state.parameters, state.gradients, state.optimizer, act, total, fits))
+    choice = next((r for r in rows if r.fits), None)
+    lines = None
+    if choice is not None:
+        lines = CONFIG_LINES[choice.strategy]
+        if choice.checkpointing:
+            lines += f"\n  activation_checkpointing: [{', '.join(checkpoint_classes)}]"
+    return Plan(rows, choice, lines, n_params, devices, device_memory)
+

@@ -1,0 +1,99 @@
+"""`phalanx plan`: the ZeRO paper's accounting, agreement with measured bytes, activations, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import phalanx
+from _workers import held_bytes
+from conftest import run_phalanx
+from phalanx.demo.digits import DigitsCNN
+from phalanx.plan import make_plan, measure_activations, model_state
+from phalanx.plan.measure import _example_input, _saved_bytes, build
+
+GB = 1e9
+
+
+def test_zero_paper_accounting_for_7_5b_parameters_on_64_devices():
+    # Rajbhandari et al. 2019, Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device.
+    totals = {s: model_state(s, 7_500_000_000, 64, accounting="zero-paper").total / GB for s in ("ddp", "zero1", "fsdp-zero2", "fsdp-zero3")}
+    assert totals["ddp"] == pytest.approx(120, rel=1e-3)
+    assert totals["zero1"] == pytest.approx(31.4, rel=1e-2)
+    assert totals["fsdp-zero2"] == pytest.approx(16.6, rel=1e-2)
+    assert totals["fsdp-zero3"] == pytest.approx(1.9, rel=2e-2)
+
+
+def test_recommendation_is_the_least_communication_that_fits():
+    plan = make_plan(
+        7_500_000_000, 64, optimizer="adam", accounting="zero-paper", micro_batch=1,
+        activations=None, checkpointed=None, checkpoint_classes=[], device_memory=32 * 1024**3,
+    )
+    assert plan.recommendation.label == "fsdp-zero2"
+    assert "reshard_after_forward: false" in plan.config_lines
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy, planned", [("ddp", "ddp"), ("zero1", "zero1"), ("fsdp", "fsdp-zero3")])
+def test_plan_matches_bytes_measured_in_a_training_step(strategy, planned):
+    n_params = 8 * (64 * 64 + 64)  # the model held_bytes trains: 8 x Linear(64, 64), Adam
+    measured = phalanx.spawn(held_bytes, nprocs=2, args=(strategy,), timeout=180)
+    state = model_state(planned, n_params, 2, optimizer="adam")
+    for held in measured:
+        assert held["parameters"] == pytest.approx(state.parameters, rel=0.1)
+        assert held["gradients"] == pytest.approx(state.gradients, rel=0.1)
+        assert held["optimizer"] == pytest.approx(state.optimizer, rel=0.1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activations_on_meta_match_a_real_cpu_batch(precision):
+    acts = measure_activations(DigitsCNN, {}, (1, 8, 8), torch.float32, precision)
+    assert acts.measured_on == "meta"
+    real = _saved_bytes(build(DigitsCNN, {}, "cpu"), _example_input((1, 8, 8), torch.float32, 8, "cpu"), precision, "cpu")
+    assert acts.at(8) == pytest.approx(real, rel=0.1)
+
+
+def test_checkpointing_shrinks_activations():
+    from phalanx.demo.gpt import TinyGPT
+
+    full = measure_activations(TinyGPT, {}, (64,), torch.long, "fp32")
+    ckpt = measure_activations(TinyGPT, {}, (64,), torch.long, "fp32", ["Block"])
+    assert ckpt.per_sample < 0.25 * full.per_sample
+
+
+def test_cli_json_for_the_gpt_example(tmp_path):
+    result = run_phalanx("plan", "--example", "gpt", "--micro-batch", "4", "--device-memory", "0.02", "--json", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    data = json.loads(result.stdout)
+    labels = [r["label"] for r in data["rows"]]
+    assert labels[:4] == ["ddp", "zero1", "fsdp-zero2", "fsdp-zero3"] and "ddp + checkpointing" in labels
+    assert data["checkpoint_classes"] == ["Block"] and data["n_params"] == 867072
+    assert data["recommendation"] is not None
+
+
+def test_cli_table_without_device_memory(tmp_path):
+    result = run_phalanx("plan", "--params", "1e9", "--devices", "8", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    assert "fsdp-zero3" in result.stdout and "pass --device-memory" in result.stdout
+
+
+BAD = [
+    (["--model", "nosuchpkg.models:build", "--input-shape", "3"], "cannot import 'nosuchpkg.models'"),
+    (["--model", "phalanx.demo.digits:Nope", "--input-shape", "3"], "has no callable 'Nope'"),
+    (["--model", "phalanx.demo.digits", "--input-shape", "3"], "--model expects package.module:factory"),
+    (["--model", "phalanx.demo.digits:DigitsCNN", "--model-arg", "colour=3", "--input-shape", "1,8,8"], "the model factory failed: TypeError"),
+    (["--model", "phalanx.demo.digits:DigitsCNN", "--input-shape", "3,5"], "does not run through the model"),
+    (["--model", "phalanx.demo.digits:DigitsCNN"], "--input-shape is needed with --model"),
+    (["--example", "digits", "--input-shape", "a,b"], "--input-shape expects positive comma-separated sizes"),
+    (["--example", "digits", "--micro-batch", "0"], "--micro-batch must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[a[1] for a, _ in BAD])
+def test_bad_input_is_one_line(tmp_path, args, message):
+    result = run_phalanx("plan", *args, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
