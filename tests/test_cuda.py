@@ -69,3 +69,12 @@ def test_tf32_switch_follows_config():
     session.close()
     Session(Config(), strategy="single", train={"progress": False}).close()
     assert not torch.backends.cuda.matmul.allow_tf32
+
+
+def test_model_parallel_on_the_visible_gpus_matches_cpu_reference():
+    from _workers import train
+
+    out = train("model_parallel", 16, 4, 5)
+    ref = reference(16, 5)
+    for key in ref:
+        torch.testing.assert_close(out["state"][key].cpu(), ref[key], rtol=1e-4, atol=1e-5)

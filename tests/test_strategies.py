@@ -63,3 +63,30 @@ def test_fsdp_refuses_fp16():
 def test_bf16_computes_in_bf16_and_returns_fp32(name):
     out = phalanx.spawn(compute_dtypes, nprocs=2, args=(name, "bf16"), timeout=TIMEOUT)[0]
     assert out == {"inside": "torch.bfloat16", "output": "torch.float32"}
+
+
+def test_model_parallel_in_one_process_matches_plain_loop():
+    out = train("model_parallel", 16, 4, 6)
+    assert rel_diff(out["state"], reference(16, 6)) < 1e-5
+    assert list(out["state"]) == list(reference(16, 6))
+
+
+def test_model_parallel_places_blocks_in_order_balanced_by_parameters():
+    from phalanx.demo.gpt import TinyGPT
+    from phalanx.strategies.model_parallel import assign, placement_units
+
+    units = placement_units(TinyGPT(layers=6))
+    names = [n for n, _ in units]
+    assert names == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "blocks.4", "blocks.5", "norm", "head"]
+    devices = assign(units, 3)
+    assert devices == sorted(devices) and set(devices) == {0, 1, 2}  # contiguous, every device used
+    per_device = [sum(p.numel() for (_, u), d in zip(units, devices) if d == k for p in u.parameters()) for k in range(3)]
+    assert max(per_device) < 1.6 * min(per_device)
+    assert assign(units, 1) == [0] * len(units)
+
+
+def test_model_parallel_refuses_several_processes():
+    with pytest.raises(phalanx.ConfigError, match="strategy 'model_parallel' runs in 1 process, not 2"):
+        from phalanx.strategies import strategy_class
+
+        strategy_class("model_parallel").check_world(2)

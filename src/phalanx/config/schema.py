@@ -28,7 +28,7 @@ class FSDPConfig(_Section):
 
 
 class StrategyConfig(_Section):
-    name: str = Field("auto", description="auto | single | dp | ddp | zero1 | fsdp (auto: ddp with several processes, else single)")
+    name: str = Field("auto", description="auto | single | dp | ddp | zero1 | fsdp | model_parallel (auto: ddp with several processes, else single)")
     activation_checkpointing: list[str] = Field(default_factory=list, description="module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]")
     ddp: DDPConfig = Field(default_factory=DDPConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)

@@ -8,11 +8,12 @@ from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDP
 from phalanx.strategies.dp import DataParallel
 from phalanx.strategies.fsdp import FSDP
+from phalanx.strategies.model_parallel import ModelParallel
 from phalanx.strategies.single import SingleDevice
 from phalanx.strategies.zero1 import Zero1
 from phalanx.topology import Topology
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleDevice, DataParallel, DDP, Zero1, FSDP)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleDevice, DataParallel, DDP, Zero1, FSDP, ModelParallel)}
 
 
 def resolve_name(name: str, world_size: int) -> str:

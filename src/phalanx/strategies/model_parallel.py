@@ -1,0 +1,82 @@
+"""Classic model parallelism: one process, the model's blocks spread over the GPUs it sees, and
+activations moved to the next block's device by forward hooks. The user subclasses nothing.
+
+The units placed are the model's children, with a child ModuleList/Sequential expanded into its
+elements (the usual home of transformer blocks or network stages). Units go in order to devices,
+balanced by parameter count; the model's own parameters go with the first unit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phalanx.data import to_device
+from phalanx.errors import ConfigError
+from phalanx.strategies.base import Strategy
+
+
+class ModelParallel(Strategy):
+    name = "model_parallel"
+    processes_per_node = 1
+
+    def __init__(self, config, topology):
+        super().__init__(config, topology)
+        self.placement: list[tuple[str, torch.device]] = []
+
+    def devices(self) -> list[torch.device]:
+        if self.topology.device.type == "cuda":
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]  # one device: the hooks and placement logic still run
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        devices = self.devices()
+        units = placement_units(model)
+        if not units:
+            raise ConfigError("strategy model_parallel: the model has no child modules to place on devices")
+        assignment = assign(units, len(devices))
+        for (name, unit), index in zip(units, assignment):
+            unit.to(devices[index])
+            unit.register_forward_pre_hook(_move_inputs(devices[index]), with_kwargs=True)
+            self.placement.append((name, devices[index]))
+        for param in model.parameters(recurse=False):
+            param.data = param.data.to(devices[assignment[0]])
+        for buffer_name, buffer in model.named_buffers(recurse=False):
+            setattr(model, buffer_name, buffer.to(devices[assignment[0]]))
+        # Outputs come back to the first device, where the batch's targets are.
+        model.register_forward_hook(lambda module, args, out: to_device(out, self.topology.device))
+        return model
+
+    def describe(self) -> str:
+        used = sorted({str(d) for _, d in self.placement}) or [str(self.topology.device)]
+        return f"model_parallel over {', '.join(used)} ({len(self.placement)} units)"
+
+
+def placement_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    units = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+            units.extend((f"{name}.{i}", block) for i, block in enumerate(child))
+        else:
+            units.append((name, child))
+    return units
+
+
+def assign(units: list[tuple[str, nn.Module]], n_devices: int) -> list[int]:
+    """Device index per unit: contiguous runs in model order, each device taking about an equal
+    share of the parameters (a unit goes to the device where the cumulative share says it starts)."""
+    sizes = [sum(p.numel() for p in unit.parameters()) for _, unit in units]
+    total = sum(sizes) or 1
+    out, seen = [], 0
+    for size in sizes:
+        # The unit's midpoint decides, so one huge unit does not push all others off its device.
+        out.append(min(n_devices - 1, int((seen + size / 2) / total * n_devices)))
+        seen += size
+    return out
+
+
+def _move_inputs(device: torch.device):
+    def hook(module, args, kwargs):
+        return to_device(args, device), to_device(kwargs, device)
+
+    return hook
