@@ -131,3 +131,23 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
         return os.cpu_count() or 1
+
+
+# What a bug report or `phalanx doctor` needs to see of the environment: the variables torchrun,
+# the launcher and the collective libraries read. Prefixes cover whole families (NCCL_IB_HCA, ...).
+_DISTRIBUTED_NAMES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_LAUNCH_BLOCKING", "NVIDIA_VISIBLE_DEVICES",
+    "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS", ENV_CONTEXT,
+)
+_DISTRIBUTED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCH_NCCL_", "TORCHELASTIC_", "TORCH_CPP_LOG")
+
+
+def distributed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The distributed-training variables that are set, sorted by name."""
+    env = os.environ if env is None else env
+    return {
+        name: value
+        for name, value in sorted(env.items())
+        if name in _DISTRIBUTED_NAMES or name.startswith(_DISTRIBUTED_PREFIXES)
+    }

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from phalanx import __version__
-from phalanx.cli import config_cmd, launch_cmd
+from phalanx.cli import config_cmd, diagnose_cmd, launch_cmd, plan_cmd
 from phalanx.errors import PhalanxError
 
 
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     launch_cmd.register(commands)
     config_cmd.register(commands)
+    plan_cmd.register(commands)
+    diagnose_cmd.register(commands)
     return parser
 
 
