@@ -68,7 +68,7 @@ def test_cli_json_for_the_gpt_example(tmp_path):
     assert result.returncode == 0, result.output
     data = json.loads(result.stdout)
     labels = [r["label"] for r in data["rows"]]
-    assert labels[:4] == ["ddp", "zero1", "fsdp-zero2", "fsdp-zero3"] and "ddp + checkpointing" in labels
+    assert labels[:4] == ["ddp", "fsdp-zero2", "zero1", "fsdp-zero3"] and "ddp + checkpointing" in labels
     assert data["checkpoint_classes"] == ["Block"] and data["n_params"] == 867072
     assert data["recommendation"] is not None
 
@@ -88,6 +88,9 @@ BAD = [
     (["--model", "phalanx.demo.digits:DigitsCNN"], "--input-shape is needed with --model"),
     (["--example", "digits", "--input-shape", "a,b"], "--input-shape expects positive comma-separated sizes"),
     (["--example", "digits", "--micro-batch", "0"], "--micro-batch must be at least 1"),
+    (["--params", "1e9", "--devices", "0"], "--devices must be at least 1"),
+    (["--params", "1e9", "--device-memory", "0"], "--device-memory must be a positive number"),
+    (["--example", "gpt", "--checkpoint", "Nope"], "--checkpoint names Nope"),
 ]
 
 
@@ -97,3 +100,19 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_fp16_leaves_fsdp_out_and_zero2_counts_its_gathered_copy():
+    plan = make_plan(
+        1000, 4, optimizer="adam", accounting="phalanx", micro_batch=1, activations=None, checkpointed=None,
+        checkpoint_classes=[], device_memory=None, precision="fp16",
+    )
+    assert [r.strategy for r in plan.rows] == ["ddp", "zero1"]
+    zero2 = model_state("fsdp-zero2", 1000, 4, compute_bytes=2)
+    assert zero2.parameters == 4 * 1000 / 4 + 2 * 1000  # fp32 shards + the bf16 copy held forward to backward
+    assert model_state("fsdp-zero3", 1000, 4).parameters == 1000
+
+
+def test_frozen_parameters_have_no_gradients_or_optimizer_state():
+    state = model_state("ddp", 1000, 2, optimizer="adam", trainable=600)
+    assert (state.parameters, state.gradients, state.optimizer) == (4000, 2400, 4800)

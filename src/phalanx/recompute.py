@@ -11,15 +11,16 @@ from torch.utils.checkpoint import checkpoint
 from phalanx.errors import ConfigError
 
 
-def apply_activation_checkpointing(model: nn.Module, class_names: list[str]) -> int:
-    """Recompute the forward of every submodule whose class name is listed; returns how many."""
+def apply_activation_checkpointing(model: nn.Module, class_names: list[str], setting: str = "strategy.activation_checkpointing") -> int:
+    """Recompute the forward of every submodule whose class name is listed; returns how many.
+    ``setting`` names where the list came from, for the error message."""
     if not class_names:
         return 0
     found = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
     if not found:
         present = sorted({type(m).__name__ for m in model.modules()})
         raise ConfigError(
-            f"strategy.activation_checkpointing names {', '.join(class_names)}, but the model has no such submodule; "
+            f"{setting} names {', '.join(class_names)}, but the model has no such submodule; "
             f"its module classes are: {', '.join(present)}"
         )
     for module in found:

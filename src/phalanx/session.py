@@ -438,22 +438,24 @@ class Session:
         return self.strategy.model_state_dict(model or self._only_model())
 
     # -- teardown -----------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, *, sync: bool = True) -> None:
+        """Leave the process group; ``sync`` waits for every rank first (see Strategy.teardown)."""
         if not self._closed:
             self._closed = True
-            self.strategy.teardown()
+            self.strategy.teardown(sync=sync)
 
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(sync=exc_type is None)
 
 
 def _close_ref(ref: "weakref.ref[Session]") -> None:
+    # At interpreter exit, perhaps after an error: other ranks may never reach a barrier.
     session = ref()
     if session is not None:
-        session.close()
+        session.close(sync=False)
 
 
 def _seed_everything(seed: int) -> None:

@@ -8,6 +8,7 @@ from collections import Counter
 
 import torch
 import yaml
+from torch import nn
 from rich.console import Console
 from rich.table import Table
 
@@ -50,11 +51,13 @@ def register(commands) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.micro_batch < 1:
         raise PhalanxError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    if args.devices is not None and args.devices < 1:
+        raise PhalanxError(f"--devices must be at least 1, got {args.devices}")
+    if args.device_memory is not None and args.device_memory <= 0:
+        raise PhalanxError(f"--device-memory must be a positive number of GiB, got {args.device_memory:g}")
     devices = args.devices or (torch.cuda.device_count() or 2)
-    if devices < 1:
-        raise PhalanxError(f"--devices must be at least 1, got {devices}")
-    memory = args.device_memory * _GIB if args.device_memory else _gpu_memory()
-    activations = checkpointed = None
+    memory = args.device_memory * _GIB if args.device_memory is not None else _gpu_memory()
+    activations = checkpointed = trainable = None
     classes: list[str] = []
     measured_on = None
     if args.params is not None:
@@ -71,6 +74,7 @@ def _run(args: argparse.Namespace) -> int:
         kwargs = dict(_parse_kv(kv) for kv in args.model_arg)
         model = build(factory, kwargs, "meta")
         n_params = count_parameters(model)
+        trainable = count_parameters(model, trainable_only=True)
         classes = args.checkpoint or _repeated_block(model)
         input_dtype = _DTYPES[args.input_dtype or dtype]
         activations = measure_activations(factory, kwargs, dims, input_dtype, args.precision)
@@ -80,6 +84,7 @@ def _run(args: argparse.Namespace) -> int:
     plan = make_plan(
         n_params, devices, optimizer=args.optimizer, accounting=args.accounting, micro_batch=args.micro_batch,
         activations=activations, checkpointed=checkpointed, checkpoint_classes=classes, device_memory=memory,
+        trainable=trainable, precision=args.precision,
     )
     if args.json:
         print(json.dumps(plan.to_dict() | {"activations_measured_on": measured_on, "checkpoint_classes": classes}, indent=2))
@@ -92,7 +97,8 @@ def _print(plan, args, measured_on, classes) -> None:
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)
-    title = f"{plan.n_params:,} parameters, {plan.devices} devices, micro-batch {args.micro_batch}, {args.precision}, {args.optimizer}, {args.accounting} accounting"
+    state = "mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper)" if args.accounting == "zero-paper" else f"{args.precision}, {args.optimizer}"
+    title = f"{plan.n_params:,} parameters, {plan.devices} devices, micro-batch {args.micro_batch}, {state}"
     table = Table(title=title)
     for col in ("strategy", "parameters", "gradients", "optimizer", "activations", "total / device", "fits"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
@@ -103,9 +109,12 @@ def _print(plan, args, measured_on, classes) -> None:
         acts = fmt(row.activations) if row.activations is not None else "-"
         table.add_row(row.label, fmt(row.parameters), fmt(row.gradients), fmt(row.optimizer), acts, fmt(row.total), fits)
     console.print(table)
+    if args.precision == "fp16":
+        console.print("fsdp is left out: it does not support fp16 (use bf16)")
     if measured_on:
-        console.print(f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch"
-                      + (f"; checkpointing recomputes {', '.join(classes)}" if classes else ""))
+        console.print(f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch")
+        if classes:
+            console.print(f"checkpointing rows recompute: {', '.join(classes)}")
     if plan.device_memory is None:
         console.print("device memory unknown (no GPU visible): pass --device-memory GIB to see what fits and get a recommendation")
     elif plan.recommendation is None:
@@ -138,6 +147,11 @@ def _parse_kv(text: str) -> tuple[str, object]:
 
 def _repeated_block(model) -> list[str]:
     """The module class with parameters that repeats most (transformer blocks, residual stages)."""
-    counts = Counter(type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=True)) and len(list(m.children())) > 0)
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    counts = Counter(
+        type(m).__name__
+        for m in model.modules()
+        if m is not model and not isinstance(m, containers) and len(list(m.children())) > 0 and any(True for _ in m.parameters())
+    )
     repeated = [(n, c) for n, c in counts.items() if c > 1]
     return [max(repeated, key=lambda nc: nc[1])[0]] if repeated else []

@@ -35,19 +35,36 @@ class ModelState:
         return self.parameters + self.gradients + self.optimizer
 
 
-def model_state(strategy: str, n_params: int, devices: int, *, optimizer: str = "adam", accounting: str = "phalanx") -> ModelState:
-    """Bytes per device of model state under ``strategy`` (a key of SHARDING)."""
-    if accounting == "zero-paper":
-        p_bytes, g_bytes, k = 2, 2, PAPER_K
-    else:
-        p_bytes, g_bytes, k = 4, 4, OPTIMIZER_BYTES[optimizer]
+def model_state(
+    strategy: str,
+    n_params: int,
+    devices: int,
+    *,
+    optimizer: str = "adam",
+    accounting: str = "phalanx",
+    trainable: int | None = None,
+    compute_bytes: int = 4,
+) -> ModelState:
+    """Peak bytes per device of model state under ``strategy`` (a key of SHARDING).
+
+    ``trainable``: parameters that get gradients and optimizer state (default: all).
+    ``compute_bytes``: bytes per parameter of the copy FSDP gathers for compute (2 under bf16).
+    """
+    trainable = n_params if trainable is None else trainable
     shard_p, shard_g, shard_o = SHARDING[strategy]
-    # fsdp-zero2 in the ZeRO paper keeps full fp16 parameters; FSDP2 without resharding keeps
-    # the sharded fp32 ones at rest and gathers per unit, so phalanx's accounting shards them too.
-    if strategy == "fsdp-zero2" and accounting == "phalanx":
-        shard_p = True
+    if accounting == "zero-paper":
+        return ModelState(
+            parameters=2 * n_params / (devices if shard_p else 1),
+            gradients=2 * trainable / (devices if shard_g else 1),
+            optimizer=PAPER_K * trainable / (devices if shard_o else 1),
+        )
+    parameters = 4 * n_params / (devices if shard_p else 1)
+    if strategy == "fsdp-zero2":
+        # FSDP2 keeps its fp32 shards, and without resharding also the gathered compute copy of
+        # every parameter from forward until backward: that copy is the peak.
+        parameters = 4 * n_params / devices + compute_bytes * n_params
     return ModelState(
-        parameters=p_bytes * n_params / (devices if shard_p else 1),
-        gradients=g_bytes * n_params / (devices if shard_g else 1),
-        optimizer=k * n_params / (devices if shard_o else 1),
+        parameters=parameters,
+        gradients=4 * trainable / (devices if shard_g else 1),
+        optimizer=OPTIMIZER_BYTES[optimizer] * trainable / (devices if shard_o else 1),
     )

@@ -56,8 +56,8 @@ def build(factory: Callable[..., nn.Module], kwargs: dict[str, Any], device: str
     return model
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def measure_activations(
@@ -76,7 +76,7 @@ def measure_activations(
             sizes = {}
             for batch in (2, 4):
                 model = build(factory, kwargs, device)
-                apply_activation_checkpointing(model, list(checkpoint_classes))
+                apply_activation_checkpointing(model, list(checkpoint_classes), setting="--checkpoint")
                 sizes[batch] = _saved_bytes(model, _example_input(input_shape, input_dtype, batch, device), precision, device)
             per_sample = max(0.0, (sizes[4] - sizes[2]) / 2)
             fixed = max(0.0, sizes[2] - 2 * per_sample)

@@ -7,9 +7,11 @@ from dataclasses import asdict, dataclass
 from phalanx.plan.accounting import model_state
 from phalanx.plan.measure import Activations
 
-# Least communication first: ddp and zero1 all-reduce 2x the parameters per step; fsdp's
-# reduce-scatter + all-gathers cost 1.5x that (ZeRO paper), and checkpointing recomputes the forward.
-ORDER = ["ddp", "zero1", "fsdp-zero2", "fsdp-zero3"]
+# Least communication first, in parameter-sized volumes per step as these implementations move
+# them: ddp all-reduces (2); fsdp-zero2 reduce-scatters and all-gathers once (2); zero1 is DDP's
+# all-reduce plus ZeroRedundancyOptimizer's broadcast of updated parameters (3); fsdp-zero3
+# all-gathers again for backward (3).
+ORDER = ["ddp", "fsdp-zero2", "zero1", "fsdp-zero3"]
 CONFIG_LINES = {
     "ddp": "strategy:\n  name: ddp",
     "zero1": "strategy:\n  name: zero1",
@@ -62,16 +64,23 @@ def make_plan(
     checkpoint_classes: list[str],
     device_memory: float | None,
     headroom: float = 0.9,
+    trainable: int | None = None,
+    precision: str = "fp32",
 ) -> Plan:
-    """``headroom``: the fraction of device memory a plan may use (allocator, CUDA context, buffers)."""
+    """``headroom``: the fraction of device memory a plan may use (allocator, CUDA context, buffers).
+    fsdp rows are left out under fp16, which the fsdp strategy refuses."""
+    strategies = [s for s in ORDER if not (precision == "fp16" and s.startswith("fsdp"))]
+    compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     rows = []
     # Every strategy without checkpointing first: recomputing the forward costs about a third
     # more compute, more than any of the sharding stages costs in communication.
     for ckpt, acts in ((False, activations), (True, checkpointed)):
         if ckpt and acts is None:
             continue
-        for strategy in ORDER:
-            state = model_state(strategy, n_params, devices, optimizer=optimizer, accounting=accounting)
+        for strategy in strategies:
+            state = model_state(
+                strategy, n_params, devices, optimizer=optimizer, accounting=accounting, trainable=trainable, compute_bytes=compute_bytes
+            )
             act = acts.at(micro_batch) if acts is not None else None
             total = state.total + (act or 0.0)
             fits = None if device_memory is None else total <= headroom * device_memory

@@ -21,6 +21,8 @@ class Strategy:
     processes_per_node: ClassVar[int | None] = None
     # True when the strategy casts parameters itself, so the Session does not add autocast.
     handles_precision: ClassVar[bool] = False
+    # True when the strategy calls collectives even in a single process (DDP, ZeRO, FSDP).
+    needs_process_group: ClassVar[bool] = False
 
     def __init__(self, config: Config, topology: Topology):
         self.config = config
@@ -48,16 +50,21 @@ class Strategy:
         return self.topology.rank
 
     def setup_environment(self) -> None:
-        """Join (or create) the process group when there is more than one process."""
+        """Join (or create) the process group when there is more than one process, or when the
+        strategy needs one even alone."""
         self.check_world(self.topology.world_size)
-        if self.topology.world_size > 1 and not dist.is_initialized():
-            backend = "gloo" if self.topology.device.type != "cuda" else "cpu:gloo,cuda:nccl"
-            kwargs: dict[str, Any] = {}
-            if self.topology.device.type == "cuda":
-                torch.cuda.set_device(self.topology.device)
-                kwargs["device_id"] = self.topology.device
-            dist.init_process_group(backend, rank=self.topology.rank, world_size=self.topology.world_size, **kwargs)
-            self._owns_process_group = True
+        alone = self.topology.world_size == 1
+        if dist.is_initialized() or (alone and not self.needs_process_group):
+            return
+        backend = "gloo" if self.topology.device.type != "cuda" else "cpu:gloo,cuda:nccl"
+        kwargs: dict[str, Any] = {}
+        if self.topology.device.type == "cuda":
+            torch.cuda.set_device(self.topology.device)
+            kwargs["device_id"] = self.topology.device
+        if alone:
+            kwargs["store"] = dist.HashStore()  # in memory: no launcher variables, no network port
+        dist.init_process_group(backend, rank=self.topology.rank, world_size=self.topology.world_size, **kwargs)
+        self._owns_process_group = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -101,8 +108,13 @@ class Strategy:
             "optimizer": sum(_nbytes(v) for per_param in state.values() for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
         }
 
-    def teardown(self) -> None:
+    def teardown(self, *, sync: bool = True) -> None:
+        """Leave the process group. ``sync``: first wait for every rank, so no rank tears its
+        connections down while another still uses them (only on a clean exit: after an error the
+        other ranks may never arrive)."""
         if self._owns_process_group and dist.is_initialized():
+            if sync and self.topology.world_size > 1:
+                dist.barrier()
             dist.destroy_process_group()
         self._owns_process_group = False
 
@@ -122,3 +134,7 @@ def rebuild_arguments(optimizer: torch.optim.Optimizer) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(optimizer.defaults)
     return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('s') else 's'}"

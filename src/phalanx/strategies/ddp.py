@@ -5,24 +5,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.strategies.base import Strategy
+from phalanx.strategies.base import Strategy, plural
 
 _DDP_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
 class DDP(Strategy):
     name = "ddp"
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        if self.topology.world_size == 1 and not dist.is_initialized():
-            # DDP needs a process group even alone; an in-memory store avoids any network port.
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            self._owns_process_group = True
+    needs_process_group = True
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         opts = self.config.strategy.ddp
@@ -47,5 +40,5 @@ class DDP(Strategy):
 
     def describe(self) -> str:
         opts = self.config.strategy.ddp
-        return f"ddp over {self.topology.world_size} processes (bucket {opts.bucket_cap_mb:g} MiB)"
+        return f"ddp over {plural(self.topology.world_size, 'process')} (bucket {opts.bucket_cap_mb:g} MiB)"
 

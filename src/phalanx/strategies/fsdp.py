@@ -9,13 +9,14 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.strategies.base import Strategy, rebuild_arguments
+from phalanx.strategies.base import Strategy, plural, rebuild_arguments
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class FSDP(Strategy):
     name = "fsdp"
+    needs_process_group = True
     handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
 
     def __init__(self, config, topology):
@@ -41,13 +42,14 @@ class FSDP(Strategy):
         # fully_shard replaces every parameter with a sharded one; optimizers built on the old
         # ones are rebuilt in wrap_optimizer through this map.
         after = dict(model.named_parameters())
-        self._new_params = {id(p): after[name] for name, p in before.items()}
+        self._new_params.update({id(p): after[name] for name, p in before.items()})
         return model
 
     def _shard_units(self, model: nn.Module) -> list[nn.Module]:
         opts = self.config.strategy.fsdp
         if opts.wrap:
-            units = [m for m in model.modules() if type(m).__name__ in opts.wrap and m is not model]
+            # Innermost first, as fully_shard expects when listed classes nest.
+            units = [m for m in _post_order(model) if type(m).__name__ in opts.wrap and m is not model]
             if not units:
                 present = sorted({type(m).__name__ for m in model.modules()})
                 raise ConfigError(f"strategy.fsdp.wrap names {', '.join(opts.wrap)}, but the model has no such submodule; its module classes are: {', '.join(present)}")
@@ -100,7 +102,7 @@ class FSDP(Strategy):
 
     def describe(self) -> str:
         mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"
-        return f"fsdp over {self.topology.world_size} processes ({mode})"
+        return f"fsdp over {plural(self.topology.world_size, 'process')} ({mode})"
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.strategies.base import rebuild_arguments
+from phalanx.strategies.base import plural, rebuild_arguments
 from phalanx.strategies.ddp import DDP
 
 
@@ -25,5 +25,5 @@ class Zero1(DDP):
         return local.state if local is not None else optimizer.state
 
     def describe(self) -> str:
-        return f"zero1 over {self.topology.world_size} processes (optimizer state sharded)"
+        return f"zero1 over {plural(self.topology.world_size, 'process')} (optimizer state sharded)"
 
