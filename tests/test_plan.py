@@ -116,3 +116,16 @@ def test_fp16_leaves_fsdp_out_and_zero2_counts_its_gathered_copy():
 def test_frozen_parameters_have_no_gradients_or_optimizer_state():
     state = model_state("ddp", 1000, 2, optimizer="adam", trainable=600)
     assert (state.parameters, state.gradients, state.optimizer) == (4000, 2400, 4800)
+
+
+def test_fsdp_rows_do_not_count_autocast_weight_copies():
+    from phalanx.demo.gpt import TinyGPT
+
+    acts = measure_activations(TinyGPT, {}, (64,), torch.long, "bf16")
+    assert acts.weight_copies == 2 * 867072
+    plan = make_plan(
+        867072, 2, optimizer="adam", accounting="phalanx", micro_batch=4, activations=acts, checkpointed=None,
+        checkpoint_classes=[], device_memory=None, precision="bf16",
+    )
+    by = {r.strategy: r.activations for r in plan.rows}
+    assert by["ddp"] - by["fsdp-zero3"] == pytest.approx(2 * 867072)

@@ -197,7 +197,7 @@ class Session:
         )
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+        model = self.strategy.place(model)
         apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
         wrapped = self.strategy.wrap_model(model)
         if self.precision.mode != "fp32":

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("phalanx: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `phalanx ... | head`: the reader left, nothing more to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

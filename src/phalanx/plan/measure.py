@@ -25,9 +25,12 @@ class Activations:
     per_sample: float
     fixed: float
     measured_on: str  # "meta" (nothing allocated) or "cpu"
+    weight_copies: float = 0.0  # autocast's part of ``fixed``
 
-    def at(self, micro_batch: int) -> float:
-        return self.fixed + self.per_sample * micro_batch
+    def at(self, micro_batch: int, *, autocast: bool = True) -> float:
+        """``autocast=False`` for strategies that cast parameters themselves (fsdp): no autocast copies."""
+        fixed = self.fixed if autocast else max(0.0, self.fixed - self.weight_copies)
+        return fixed + self.per_sample * micro_batch
 
 
 def load_factory(path: str) -> Callable[..., nn.Module]:
@@ -80,11 +83,12 @@ def measure_activations(
                 sizes[batch] = _saved_bytes(model, _example_input(input_shape, input_dtype, batch, device), precision, device)
             per_sample = max(0.0, (sizes[4] - sizes[2]) / 2)
             fixed = max(0.0, sizes[2] - 2 * per_sample)
-            if device == "meta" and _AUTOCAST[precision] is not None:
-                # Autocast keeps low-precision copies of the weights for the step; meta cannot
-                # run autocast, so count them: one 2-byte copy per parameter.
-                fixed += 2 * count_parameters(model)
-            return Activations(per_sample, fixed, device)
+            copies = 2.0 * count_parameters(model) if _AUTOCAST[precision] is not None else 0.0
+            if device == "meta":
+                # Autocast keeps a low-precision copy of the weights for the step; meta cannot run
+                # autocast, so count one 2-byte copy per parameter (the CPU run measured its own).
+                fixed += copies
+            return Activations(per_sample, fixed, device, weight_copies=min(copies, fixed))
         except PhalanxError:
             raise
         except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as err:

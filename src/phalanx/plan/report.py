@@ -81,7 +81,7 @@ def make_plan(
             state = model_state(
                 strategy, n_params, devices, optimizer=optimizer, accounting=accounting, trainable=trainable, compute_bytes=compute_bytes
             )
-            act = acts.at(micro_batch) if acts is not None else None
+            act = acts.at(micro_batch, autocast=not strategy.startswith("fsdp")) if acts is not None else None
             total = state.total + (act or 0.0)
             fits = None if device_memory is None else total <= headroom * device_memory
             rows.append(Row(strategy, ckpt, state.parameters, state.gradients, state.optimizer, act, total, fits))

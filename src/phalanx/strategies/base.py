@@ -66,6 +66,10 @@ class Strategy:
         dist.init_process_group(backend, rank=self.topology.rank, world_size=self.topology.world_size, **kwargs)
         self._owns_process_group = True
 
+    def place(self, model: nn.Module) -> nn.Module:
+        """Put the model on this process's device (before wrapping)."""
+        return model.to(self.topology.device)
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
 

@@ -29,12 +29,16 @@ class ModelParallel(Strategy):
             return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
         return [torch.device("cpu")]  # one device: the hooks and placement logic still run
 
+    def place(self, model: nn.Module) -> nn.Module:
+        return model  # wrap_model puts each unit on its own device; the model need not fit on one
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         devices = self.devices()
         units = placement_units(model)
         if not units:
             raise ConfigError("strategy model_parallel: the model has no child modules to place on devices")
         assignment = assign(units, len(devices))
+        _refuse_shared_across_devices(units, assignment)
         for (name, unit), index in zip(units, assignment):
             unit.to(devices[index])
             unit.register_forward_pre_hook(_move_inputs(devices[index]), with_kwargs=True)
@@ -48,7 +52,7 @@ class ModelParallel(Strategy):
         return model
 
     def describe(self) -> str:
-        used = sorted({str(d) for _, d in self.placement}) or [str(self.topology.device)]
+        used = [str(d) for d in sorted({d for _, d in self.placement}, key=lambda d: (d.type, d.index or 0))] or [str(self.topology.device)]
         return f"model_parallel over {', '.join(used)} ({len(self.placement)} units)"
 
 
@@ -73,6 +77,19 @@ def assign(units: list[tuple[str, nn.Module]], n_devices: int) -> list[int]:
         out.append(min(n_devices - 1, int((seen + size / 2) / total * n_devices)))
         seen += size
     return out
+
+
+def _refuse_shared_across_devices(units: list[tuple[str, nn.Module]], assignment: list[int]) -> None:
+    # A tied weight (say, input embedding and output layer) can live on one device only.
+    owner: dict[int, tuple[str, int]] = {}
+    for (name, unit), device in zip(units, assignment):
+        for param in unit.parameters():
+            first = owner.setdefault(id(param), (name, device))
+            if first[1] != device:
+                raise ConfigError(
+                    f"strategy model_parallel: {first[0]} and {name} share a parameter but would sit on different devices; "
+                    "untie the weights, or use fsdp"
+                )
 
 
 def _move_inputs(device: torch.device):
