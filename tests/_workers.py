@@ -156,3 +156,23 @@ def compute_dtypes(strategy: str, precision: str) -> dict:
     out = model(torch.randn(4, 8))
     session.close()
     return {"inside": str(seen[0]), "output": str(out.dtype)}
+
+
+def pipeline_eval_and_clip(schedule: str) -> dict:
+    """Evaluation outputs and the clipped global norm under the pipeline strategy."""
+    session = Session(Config(), strategy={"name": "pipeline", "pipeline": {"schedule": schedule, "microbatches": 2}}, train={"progress": False})
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = session.setup(model, optimizer)
+    x, y = make_data(16).tensors
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    model.train()
+    with session.accumulate(model):
+        loss = F.mse_loss(model(x), y)
+        session.backward(loss)
+        norm = float(session.clip_grad_norm_(1e9))
+    result = {"loss": loss.item(), "norm": norm, "out": out.cpu()}
+    session.close()
+    return result

@@ -36,7 +36,7 @@ def test_recommendation_is_the_least_communication_that_fits():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, planned", [("ddp", "ddp"), ("zero1", "zero1"), ("fsdp", "fsdp-zero3")])
+@pytest.mark.parametrize("strategy, planned", [("ddp", "ddp"), ("zero1", "zero1"), ("fsdp", "fsdp-zero3"), ("pipeline", "pipeline")])
 def test_plan_matches_bytes_measured_in_a_training_step(strategy, planned):
     n_params = 8 * (64 * 64 + 64)  # the model held_bytes trains: 8 x Linear(64, 64), Adam
     measured = phalanx.spawn(held_bytes, nprocs=2, args=(strategy,), timeout=180)
@@ -68,7 +68,7 @@ def test_cli_json_for_the_gpt_example(tmp_path):
     assert result.returncode == 0, result.output
     data = json.loads(result.stdout)
     labels = [r["label"] for r in data["rows"]]
-    assert labels[:4] == ["ddp", "fsdp-zero2", "zero1", "fsdp-zero3"] and "ddp + checkpointing" in labels
+    assert labels[:5] == ["ddp", "fsdp-zero2", "zero1", "fsdp-zero3", "pipeline"] and "ddp + checkpointing" in labels
     assert data["checkpoint_classes"] == ["Block"] and data["n_params"] == 867072
     assert data["recommendation"] is not None
 
@@ -107,7 +107,7 @@ def test_fp16_leaves_fsdp_out_and_zero2_counts_its_gathered_copy():
         1000, 4, optimizer="adam", accounting="phalanx", micro_batch=1, activations=None, checkpointed=None,
         checkpoint_classes=[], device_memory=None, precision="fp16",
     )
-    assert [r.strategy for r in plan.rows] == ["ddp", "zero1"]
+    assert [r.strategy for r in plan.rows] == ["ddp", "zero1"]  # fsdp refuses fp16, pipeline is fp32-only
     zero2 = model_state("fsdp-zero2", 1000, 4, compute_bytes=2)
     assert zero2.parameters == 4 * 1000 / 4 + 2 * 1000  # fp32 shards + the bf16 copy held forward to backward
     assert model_state("fsdp-zero3", 1000, 4).parameters == 1000

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import phalanx
-from _workers import clipped_norm, compute_dtypes, held_bytes, make_model, reference, train
+from _workers import clipped_norm, compute_dtypes, held_bytes, make_model, pipeline_eval_and_clip, reference, train
 from test_session_single import rel_diff
 
 pytestmark = pytest.mark.multiprocess
@@ -102,3 +102,53 @@ def test_model_parallel_refuses_weights_tied_across_devices():
     _refuse_shared_across_devices(units, [0, 0, 0])  # one device: fine
     with pytest.raises(phalanx.ConfigError, match="embed and head share a parameter"):
         _refuse_shared_across_devices(units, [0, 1, 1])
+
+
+PIPELINES = {  # id: (strategy, micro_batch_size)
+    "1f1b": ({"name": "pipeline", "pipeline": {"schedule": "1f1b", "microbatches": 4}}, None),
+    "gpipe-accumulation": ({"name": "pipeline", "pipeline": {"schedule": "gpipe", "microbatches": 2}}, 8),
+    "1f1b-accumulation-split": ({"name": "pipeline", "pipeline": {"split_points": ["4"], "microbatches": 2}}, 8),
+}
+
+
+@pytest.mark.parametrize("strategy, micro", PIPELINES.values(), ids=PIPELINES.keys())
+def test_pipeline_matches_one_process(strategy, micro):
+    out = phalanx.spawn(train, nprocs=2, args=(strategy, 16, micro, 6), timeout=TIMEOUT)[0]
+    assert out["steps"] == out["scheduler_steps"] == 6
+    assert out["accumulation"] == (2 if micro else 1)
+    ref = reference(16, 6)
+    assert list(out["state"]) == list(ref)
+    assert rel_diff(out["state"], ref) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_loss_norm_and_evaluation_match_one_process(schedule):
+    results = phalanx.spawn(pipeline_eval_and_clip, nprocs=2, args=(schedule,), timeout=TIMEOUT)
+    model = make_model()
+    x, y = _data16()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    for out in results:  # every rank reports the same figures
+        assert out["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert out["norm"] == pytest.approx(norm.item(), rel=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(results[1]["out"], model(x))  # before any step: the same weights
+
+
+def _data16():
+    from _workers import make_data
+
+    return make_data(16).tensors
+
+
+def test_pipeline_needs_a_sequential_model():
+    from phalanx.strategies.pipeline import _split
+    from phalanx.strategies.model_parallel import placement_units
+
+    units = placement_units(make_model())
+    assert _split(units, 2, ["2"]) == [0, 0, 1, 1, 1]
+    with pytest.raises(phalanx.ConfigError, match="split_points must name 1 of the model's children"):
+        _split(units, 2, ["9"])
+    with pytest.raises(phalanx.ConfigError, match="fewer than the 8 stages"):
+        _split(units, 8, [])

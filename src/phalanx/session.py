@@ -301,8 +301,7 @@ class Session:
             raise PhalanxError(
                 f"accumulation_steps is {steps}: put the forward and session.backward(loss) inside `with session.accumulate(model):`"
             )
-        self._last_loss = loss.detach()
-        self.precision.backward(loss / steps if steps > 1 else loss)
+        self._last_loss = self.strategy.backward(loss, self.precision, steps)
 
     def clip_grad_norm_(self, max_norm: float, model: nn.Module | None = None) -> torch.Tensor | None:
         """Clip the global gradient norm; returns it. Does nothing (returns None) on micro-steps

@@ -111,6 +111,10 @@ def _print(plan, args, measured_on, classes) -> None:
     console.print(table)
     if args.precision == "fp16":
         console.print("fsdp is left out: it does not support fp16 (use bf16)")
+    if args.precision != "fp32":
+        console.print("pipeline is left out: it supports fp32 only for now")
+    if any(r.strategy == "pipeline" for r in plan.rows):
+        console.print("pipeline: needs an nn.Sequential model; stages assumed balanced (parameters and activations / devices)")
     if measured_on:
         console.print(f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch")
         if classes:

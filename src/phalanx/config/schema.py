@@ -27,11 +27,18 @@ class FSDPConfig(_Section):
     cpu_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in CPU memory (slow; for models that do not fit otherwise)")
 
 
+class PipelineConfig(_Section):
+    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="gpipe: all forwards, then all backwards; 1f1b: interleaved, fewer activations held")
+    microbatches: int = Field(4, gt=0, description="pipeline micro-batches each micro-batch is cut into (must divide batch.micro_batch_size)")
+    split_points: list[str] = Field(default_factory=list, description="child names where a new stage begins, e.g. ['4', '8'] (empty: balanced by parameter count)")
+
+
 class StrategyConfig(_Section):
-    name: str = Field("auto", description="auto | single | dp | ddp | zero1 | fsdp | model_parallel (auto: ddp with several processes, else single)")
+    name: str = Field("auto", description="auto | single | dp | ddp | zero1 | fsdp | model_parallel | pipeline (auto: ddp with several processes, else single)")
     activation_checkpointing: list[str] = Field(default_factory=list, description="module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]")
     ddp: DDPConfig = Field(default_factory=DDPConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
 
 class BatchConfig(_Section):

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}  # fp32 state bytes per parameter
 PAPER_K = 12
 
-# What each strategy shards: (parameters, gradients, optimizer state).
+# What each strategy shards: (parameters, gradients, optimizer state). A pipeline stage holds
+# about 1/N of the layers, so all three are divided (assuming balanced stages).
 SHARDING = {
     "ddp": (False, False, False),
     "zero1": (False, False, True),
     "fsdp-zero2": (False, True, True),
     "fsdp-zero3": (True, True, True),
+    "pipeline": (True, True, True),
 }
 
 

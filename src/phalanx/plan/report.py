@@ -11,12 +11,15 @@ from phalanx.plan.measure import Activations
 # them: ddp all-reduces (2); fsdp-zero2 reduce-scatters and all-gathers once (2); zero1 is DDP's
 # all-reduce plus ZeroRedundancyOptimizer's broadcast of updated parameters (3); fsdp-zero3
 # all-gathers again for backward (3).
-ORDER = ["ddp", "fsdp-zero2", "zero1", "fsdp-zero3"]
+# pipeline comes last: it sends only activations between stages, but its stages idle in the
+# pipeline bubble, (N-1)/(M+N-1) of each step with M pipeline micro-batches.
+ORDER = ["ddp", "fsdp-zero2", "zero1", "fsdp-zero3", "pipeline"]
 CONFIG_LINES = {
     "ddp": "strategy:\n  name: ddp",
     "zero1": "strategy:\n  name: zero1",
     "fsdp-zero2": "strategy:\n  name: fsdp\n  fsdp:\n    reshard_after_forward: false",
     "fsdp-zero3": "strategy:\n  name: fsdp\n  fsdp:\n    reshard_after_forward: true",
+    "pipeline": "strategy:\n  name: pipeline\n  pipeline:\n    schedule: 1f1b",
 }
 
 
@@ -68,8 +71,8 @@ def make_plan(
     precision: str = "fp32",
 ) -> Plan:
     """``headroom``: the fraction of device memory a plan may use (allocator, CUDA context, buffers).
-    fsdp rows are left out under fp16, which the fsdp strategy refuses."""
-    strategies = [s for s in ORDER if not (precision == "fp16" and s.startswith("fsdp"))]
+    Rows a strategy would refuse are left out: fsdp under fp16, pipeline under bf16/fp16."""
+    strategies = [s for s in ORDER if not (precision == "fp16" and s.startswith("fsdp")) and not (precision != "fp32" and s == "pipeline")]
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     rows = []
     # Every strategy without checkpointing first: recomputing the forward costs about a third
@@ -82,6 +85,11 @@ def make_plan(
                 strategy, n_params, devices, optimizer=optimizer, accounting=accounting, trainable=trainable, compute_bytes=compute_bytes
             )
             act = acts.at(micro_batch, autocast=not strategy.startswith("fsdp")) if acts is not None else None
+            if act is not None and strategy == "pipeline":
+                # A stage stores its own layers' activations: about 1/N of the model's. Under 1F1B
+                # the first stage holds at most N pipeline micro-batches at once, but they are cut
+                # from the same micro-batch, so at most all of it: 1/N of the activations.
+                act = act / devices
             total = state.total + (act or 0.0)
             fits = None if device_memory is None else total <= headroom * device_memory
             rows.append(Row(strategy, ckpt, state.parameters, state.gradients, state.optimizer, act, total, fits))

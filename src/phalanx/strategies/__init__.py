@@ -9,11 +9,12 @@ from phalanx.strategies.ddp import DDP
 from phalanx.strategies.dp import DataParallel
 from phalanx.strategies.fsdp import FSDP
 from phalanx.strategies.model_parallel import ModelParallel
+from phalanx.strategies.pipeline import Pipeline
 from phalanx.strategies.single import SingleDevice
 from phalanx.strategies.zero1 import Zero1
 from phalanx.topology import Topology
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleDevice, DataParallel, DDP, Zero1, FSDP, ModelParallel)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleDevice, DataParallel, DDP, Zero1, FSDP, ModelParallel, Pipeline)}
 
 
 def resolve_name(name: str, world_size: int) -> str:

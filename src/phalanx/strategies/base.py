@@ -76,6 +76,12 @@ class Strategy:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
 
+    def backward(self, loss: torch.Tensor, precision, accumulation_steps: int) -> torch.Tensor:
+        """Backward of one micro-step (loss divided once by the accumulation steps); returns the
+        loss to report."""
+        precision.backward(loss / accumulation_steps if accumulation_steps > 1 else loss)
+        return loss.detach()
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Context in which backward does not synchronise gradients (all but the last micro-step)."""
         return contextlib.nullcontext()

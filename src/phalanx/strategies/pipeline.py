@@ -1,0 +1,186 @@
+"""Pipeline parallelism with torch.distributed.pipelining: the model's layers split into stages,
+one per process; each micro-batch is cut into pipeline micro-batches that flow through the
+stages under a GPipe or 1F1B schedule.
+
+The model must be an ``nn.Sequential`` (its forward applies its children in order), so each
+process can keep only its own run of children. ``model(x)`` returns a deferred output; the loss
+code is replayed on the last stage by the schedule (see deferred.py), so the training loop is the
+same as for every other strategy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.errors import ConfigError, PhalanxError
+from phalanx.strategies.base import Strategy, plural, rebuild_arguments
+from phalanx.strategies.deferred import DeferredOutput
+from phalanx.strategies.model_parallel import assign, placement_units
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+    needs_process_group = True
+
+    def __init__(self, config, topology):
+        super().__init__(config, topology)
+        if config.precision.mode != "fp32":
+            raise ConfigError("strategy pipeline supports precision.mode fp32 only for now; use fsdp or ddp for bf16/fp16")
+        self.stage_module: nn.Module | None = None
+        self._units: list[tuple[str, nn.Module]] = []
+        self._stage_of: list[int] = []
+        self._schedule = self._forward_schedule = None
+        self._pending: tuple[DeferredOutput, torch.Tensor | None, int] | None = None
+        self._losses: list[torch.Tensor] = []
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1  # every stage sees the same batch: stage 0 its inputs, the last stage its targets
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.topology.rank == self.topology.world_size - 1
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if not isinstance(model, nn.Sequential):
+            raise ConfigError(
+                f"strategy pipeline needs an nn.Sequential model (its forward must apply its children in order), not {type(model).__name__}; "
+                "express the model as nn.Sequential(embedding, *blocks, head) or use fsdp"
+            )
+        opts, stages = self.config.strategy.pipeline, self.topology.world_size
+        self._units = placement_units(model)
+        self._stage_of = _split(self._units, stages, opts.split_points)
+        mine = [unit for (_, unit), stage in zip(self._units, self._stage_of) if stage == self.topology.rank]
+        self.stage_module = nn.Sequential(*mine).to(self.topology.device)
+        stage = PipelineStage(self.stage_module, self.topology.rank, stages, self.topology.device)
+        schedule = ScheduleGPipe if opts.schedule == "gpipe" else Schedule1F1B
+        # scale_grads would divide every gradient the stage holds, also those accumulated by
+        # earlier micro-steps; the loss is divided instead (see _loss).
+        self._schedule = schedule(stage, n_microbatches=opts.microbatches, loss_fn=self._loss, scale_grads=False)
+        # Evaluation has no targets, and a schedule with a loss function would ask for them.
+        self._forward_schedule = ScheduleGPipe(stage, n_microbatches=opts.microbatches)
+        return _PipelineModel(self)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.stage_module is None:
+            raise ConfigError("strategy pipeline: pass the model to setup() together with (or before) its optimizer")
+        own = {id(p) for p in self.stage_module.parameters()}
+        for group in optimizer.param_groups:  # same dicts: a scheduler on the user's optimizer still steers
+            group["params"] = [p for p in group["params"] if id(p) in own]
+        if not any(group["params"] for group in optimizer.param_groups):
+            raise ConfigError(f"strategy pipeline: stage {self.topology.rank} holds no parameters; set strategy.pipeline.split_points")
+        return type(optimizer)(optimizer.param_groups, **rebuild_arguments(optimizer))
+
+    def backward(self, loss: torch.Tensor, precision, accumulation_steps: int) -> torch.Tensor:
+        if not isinstance(loss, DeferredOutput):
+            raise PhalanxError("strategy pipeline: session.backward() expects the loss computed from model(x), as loss_fn(model(x), y)")
+        (x, *_), batch = loss.inputs, loss.inputs[0].shape[0]
+        micro = self.config.strategy.pipeline.microbatches
+        if batch % micro:
+            raise ConfigError(f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches={micro}; choose a divisor of {batch}")
+        targets = loss.targets(batch)
+        if len(targets) > 1:
+            raise PhalanxError("strategy pipeline: the loss uses several per-sample tensors; it can take the model's output and one target")
+        target = targets[0] if targets else None
+        self._pending, self._losses = (loss, target, accumulation_steps), []
+        rank = self.topology.rank
+        # torch's schedule hands every chunk a target; a loss without one gets a placeholder.
+        chunked = target if target is not None else torch.zeros(batch, device=self.topology.device)
+        kwargs = {"target": chunked, "losses": self._losses} if self.is_last else {}
+        self._schedule.step(*((x,) if rank == 0 else ()), **kwargs)
+        # The schedule's losses are each chunk's mean / (steps x chunks): their sum x steps is the
+        # micro-batch's mean loss.
+        value = torch.stack(self._losses).sum().detach() * accumulation_steps if self.is_last else torch.zeros((), device=self.topology.device)
+        dist.broadcast(value, src=self.topology.world_size - 1)  # every rank logs the same loss
+        loss.value = value
+        return value
+
+    def _loss(self, output: torch.Tensor, target_chunk: torch.Tensor | None) -> torch.Tensor:
+        deferred, target, steps = self._pending
+        value = deferred.replay(output, target, target_chunk)
+        # Each pipeline micro-batch's loss is a mean over its chunk: dividing by their number and
+        # by the accumulation steps makes the summed gradients those of the whole global batch.
+        return value / (steps * self.config.strategy.pipeline.microbatches)
+
+    def forward_only(self, *args: torch.Tensor) -> torch.Tensor:
+        """Evaluation: run the stages without backward; every rank gets the last stage's output."""
+        out = self._forward_schedule.step(*(args if self.topology.rank == 0 else ()))
+        box = [out.detach().cpu() if self.is_last else None]
+        dist.broadcast_object_list(box, src=self.topology.world_size - 1)
+        return box[0].to(self.topology.device)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
+        local = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.topology.device)
+        dist.all_reduce(local)  # the squares of every stage: the global norm
+        norm = local.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale)
+        return norm
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.stage_module
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights on rank 0, gathered from every stage (other ranks get an empty dict)."""
+        own = {
+            f"{name}.{key}": value.detach().cpu()
+            for (name, unit), stage in zip(self._units, self._stage_of)
+            if stage == self.topology.rank
+            for key, value in unit.state_dict().items()
+        }
+        parts: list = [None] * self.topology.world_size
+        dist.all_gather_object(parts, own)
+        if self.topology.rank != 0:
+            return {}
+        merged = {k: v for part in parts for k, v in part.items()}
+        order = [f"{name}.{key}" for name, unit in self._units for key in unit.state_dict()]
+        return {k: merged[k] for k in order}
+
+    def describe(self) -> str:
+        opts = self.config.strategy.pipeline
+        return f"pipeline over {plural(self.topology.world_size, 'stage')} ({opts.schedule}, {opts.microbatches} micro-batches)"
+
+
+class _PipelineModel(nn.Module):
+    """What setup() returns: calls give a deferred output in training, real outputs in evaluation."""
+
+    def __init__(self, strategy: Pipeline):
+        super().__init__()
+        self.stage = strategy.stage_module  # this rank's layers: what optimizers and clipping see
+        object.__setattr__(self, "_strategy", strategy)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            return DeferredOutput(args)
+        with torch.no_grad():
+            return self._strategy.forward_only(*args)
+
+
+def _split(units: list[tuple[str, nn.Module]], stages: int, split_points: list[str]) -> list[int]:
+    names = [name for name, _ in units]
+    if split_points:
+        unknown = [p for p in split_points if p not in names]
+        if unknown or len(split_points) != stages - 1:
+            raise ConfigError(
+                f"strategy.pipeline.split_points must name {stages - 1} of the model's children for {stages} stages "
+                f"(unknown: {', '.join(unknown) or 'none'}); children: {', '.join(names)}"
+            )
+        starts = sorted(names.index(p) for p in split_points)
+        return [sum(i >= s for s in starts) for i in range(len(units))]
+    if len(units) < stages:
+        raise ConfigError(f"strategy pipeline: the model has {len(units)} children, fewer than the {stages} stages")
+    stage_of = assign(units, stages)
+    if len(set(stage_of)) < stages:
+        raise ConfigError("strategy pipeline: balancing by parameters left a stage empty; set strategy.pipeline.split_points")
+    return stage_of
+
