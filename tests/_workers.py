@@ -176,3 +176,27 @@ def pipeline_eval_and_clip(schedule: str) -> dict:
     result = {"loss": loss.item(), "norm": norm, "out": out.cpu()}
     session.close()
     return result
+
+
+def dcp_roundtrip(strategy: str, directory: str) -> dict:
+    """Save the sharded state dict with torch.distributed.checkpoint, spoil the weights, load it back."""
+    import torch.distributed.checkpoint as dcp
+
+    session = Session(Config(), strategy=strategy, batch={"global_batch_size": 16}, train={"progress": False})
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = session.setup(model, optimizer)
+    x, y = make_data(16).tensors
+    with session.accumulate(model):
+        session.backward(F.mse_loss(model(x if strategy == "pipeline" else x[: 16 // session.world_size]), y if strategy == "pipeline" else y[: 16 // session.world_size]))
+    before = session.model_state_dict()
+    dcp.save(session.strategy.sharded_model_state_dict(model), checkpoint_id=directory)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = session.strategy.sharded_model_state_dict(model)
+    dcp.load(state, checkpoint_id=directory)
+    session.strategy.load_sharded_model_state_dict(model, state)
+    after = session.model_state_dict()
+    session.close()
+    return {"before": before, "after": after}

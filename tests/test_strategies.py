@@ -152,3 +152,13 @@ def test_pipeline_needs_a_sequential_model():
         _split(units, 2, ["9"])
     with pytest.raises(phalanx.ConfigError, match="fewer than the 8 stages"):
         _split(units, 8, [])
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "pipeline"])
+def test_sharded_state_dict_round_trips_through_torch_distributed_checkpoint(name, tmp_path):
+    from _workers import dcp_roundtrip
+
+    out = phalanx.spawn(dcp_roundtrip, nprocs=2, args=(name, str(tmp_path / "ckpt")), timeout=TIMEOUT)[0]
+    assert out["before"] and list(out["after"]) == list(out["before"])
+    assert rel_diff(out["after"], out["before"]) == 0
+    assert any(v.abs().sum() > 0 for v in out["after"].values())

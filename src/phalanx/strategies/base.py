@@ -104,6 +104,10 @@ class Strategy:
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.unwrap(model).load_state_dict(state)
 
+    def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load what torch.distributed.checkpoint filled into ``sharded_model_state_dict``'s layout."""
+        self.load_model_state_dict(model, state)
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state this rank holds (its shard, for sharding strategies)."""
         return optimizer.state

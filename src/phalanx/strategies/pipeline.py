@@ -130,14 +130,21 @@ class Pipeline(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.stage_module
 
+    def sharded_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This stage's weights under the full model's names: what torch.distributed.checkpoint saves."""
+        return {f"{name}.{key}": value for name, unit in self._own_units() for key, value in unit.state_dict().items()}
+
+    def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        for name, unit in self._own_units():
+            prefix = f"{name}."
+            unit.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def _own_units(self) -> list[tuple[str, nn.Module]]:
+        return [(name, unit) for (name, unit), stage in zip(self._units, self._stage_of) if stage == self.topology.rank]
+
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full weights on rank 0, gathered from every stage (other ranks get an empty dict)."""
-        own = {
-            f"{name}.{key}": value.detach().cpu()
-            for (name, unit), stage in zip(self._units, self._stage_of)
-            if stage == self.topology.rank
-            for key, value in unit.state_dict().items()
-        }
+        own = {k: v.detach().cpu() for k, v in self.sharded_model_state_dict(model).items()}
         parts: list = [None] * self.topology.world_size
         dist.all_gather_object(parts, own)
         if self.topology.rank != 0:
