@@ -200,3 +200,16 @@ def dcp_roundtrip(strategy: str, directory: str) -> dict:
     after = session.model_state_dict()
     session.close()
     return {"before": before, "after": after}
+
+
+def pipeline_eval_sizes() -> list:
+    """Evaluation outputs of the pipeline for batches of 16, 6 and 1 sample, and a reduce."""
+    session = Session(Config(), strategy={"name": "pipeline", "pipeline": {"microbatches": 4}}, train={"progress": False})
+    model = session.setup(make_model())
+    model.eval()
+    x = make_data(16).tensors[0]
+    with torch.no_grad():
+        outs = [model(x[:n]).cpu() for n in (16, 6, 1)]
+    total = session.reduce(3.0, "sum")
+    session.close()
+    return outs + [total]

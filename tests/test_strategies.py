@@ -162,3 +162,43 @@ def test_sharded_state_dict_round_trips_through_torch_distributed_checkpoint(nam
     assert out["before"] and list(out["after"]) == list(out["before"])
     assert rel_diff(out["after"], out["before"]) == 0
     assert any(v.abs().sum() > 0 for v in out["after"].values())
+
+
+def test_deferred_output_refuses_reads_and_finds_the_target():
+    from phalanx.strategies.deferred import DeferredOutput
+
+    out = DeferredOutput((torch.zeros(4, 3),))
+    with pytest.raises(phalanx.PhalanxError, match="exists only on the last stage"):
+        out.argmax(1)
+    with pytest.raises(phalanx.PhalanxError, match="exists only on the last stage"):
+        out.size()
+    y, weight = torch.zeros(4, dtype=torch.long), torch.ones(8)
+    loss = torch.nn.functional.cross_entropy(out.view(-1, 3), y, weight=weight)
+    assert loss.target(4) is y  # exactly one row per sample beats a multiple
+    ambiguous = torch.nn.functional.mse_loss(out, torch.zeros(4, 3)).add(torch.ones(4))
+    with pytest.raises(phalanx.PhalanxError, match="several tensors with one row per sample"):
+        ambiguous.target(4)
+
+
+def test_pipeline_split_points_must_leave_no_stage_empty():
+    from phalanx.strategies.model_parallel import placement_units
+    from phalanx.strategies.pipeline import _split
+
+    units = placement_units(make_model())
+    with pytest.raises(phalanx.ConfigError, match="distinct children after the first"):
+        _split(units, 3, ["2", "2"])
+    with pytest.raises(phalanx.ConfigError, match="distinct children after the first"):
+        _split(units, 2, ["0"])
+
+
+def test_pipeline_evaluation_takes_any_batch_size():
+    from _workers import make_data, pipeline_eval_sizes
+
+    results = phalanx.spawn(pipeline_eval_sizes, nprocs=2, timeout=TIMEOUT)
+    x = make_data(16).tensors[0]
+    with torch.no_grad():
+        expected = [make_model()(x[:n]) for n in (16, 6, 1)]
+    for out in results:
+        for got, want in zip(out[:3], expected):
+            torch.testing.assert_close(got, want)
+        assert out[3] == 3.0  # every stage saw the same samples: nothing to add up

@@ -375,10 +375,12 @@ class Session:
         self._active_loader = loader
 
     def reduce(self, value: Any, op: str = "mean") -> Any:
-        """All-reduce a tensor or number over processes: op is sum | mean | max | min."""
+        """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min."""
         if op not in _REDUCE_OPS:
             raise PhalanxError(f"reduce op '{op}' is not one of {', '.join(_REDUCE_OPS)}")
         as_number = not isinstance(value, torch.Tensor)
+        if self.strategy.data_parallel_size == 1:
+            return value  # one data-parallel process (pipeline stages all hold the same values)
         tensor = torch.as_tensor(value, dtype=torch.float64 if as_number else None).to(self._comm_device())
         if self.world_size > 1:
             tensor = tensor.clone()
@@ -390,8 +392,8 @@ class Session:
     def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
         """Gather a per-batch tensor from every process, in dataset order, without the samples the
         sampler padded in; so metrics over an evaluation loader equal single-process ones exactly."""
-        if self.world_size == 1:
-            return tensor
+        if self.strategy.data_parallel_size == 1:
+            return tensor  # every process saw the same samples (one process, or pipeline stages)
         local = tensor.to(self._comm_device()).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local)

@@ -58,6 +58,7 @@ def _run(args: argparse.Namespace) -> int:
     devices = args.devices or (torch.cuda.device_count() or 2)
     memory = args.device_memory * _GIB if args.device_memory is not None else _gpu_memory()
     activations = checkpointed = trainable = None
+    sequential = True  # unknown with --params: the pipeline row stays, with its note
     classes: list[str] = []
     measured_on = None
     if args.params is not None:
@@ -75,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         model = build(factory, kwargs, "meta")
         n_params = count_parameters(model)
         trainable = count_parameters(model, trainable_only=True)
+        sequential = isinstance(model, nn.Sequential)
         classes = args.checkpoint or _repeated_block(model)
         input_dtype = _DTYPES[args.input_dtype or dtype]
         activations = measure_activations(factory, kwargs, dims, input_dtype, args.precision)
@@ -84,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     plan = make_plan(
         n_params, devices, optimizer=args.optimizer, accounting=args.accounting, micro_batch=args.micro_batch,
         activations=activations, checkpointed=checkpointed, checkpoint_classes=classes, device_memory=memory,
-        trainable=trainable, precision=args.precision,
+        trainable=trainable, precision=args.precision, sequential=sequential,
     )
     if args.json:
         print(json.dumps(plan.to_dict() | {"activations_measured_on": measured_on, "checkpoint_classes": classes}, indent=2))
@@ -113,6 +115,8 @@ def _print(plan, args, measured_on, classes) -> None:
         console.print("fsdp is left out: it does not support fp16 (use bf16)")
     if args.precision != "fp32":
         console.print("pipeline is left out: it supports fp32 only for now")
+    elif not any(r.strategy == "pipeline" for r in plan.rows):
+        console.print("pipeline is left out: the model is not an nn.Sequential")
     if any(r.strategy == "pipeline" for r in plan.rows):
         console.print("pipeline: needs an nn.Sequential model; stages assumed balanced (parameters and activations / devices)")
     if measured_on:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigError
+from phalanx.words import plural
 
 
 @dataclass(frozen=True)
@@ -17,8 +18,7 @@ class BatchPlan:
     def describe(self) -> str:
         return (
             f"global batch {self.global_batch_size} = micro batch {self.micro_batch_size}"
-            f" x {self.accumulation_steps} accumulation step{'s' if self.accumulation_steps != 1 else ''}"
-            f" x {self.data_parallel_size} process{'es' if self.data_parallel_size != 1 else ''}"
+            f" x {plural(self.accumulation_steps, 'accumulation step')} x {plural(self.data_parallel_size, 'process')}"
         )
 
 
@@ -36,14 +36,14 @@ def plan_batch(data_parallel_size: int, global_batch_size: int | None, micro_bat
     if micro_batch_size is None:
         if global_batch_size % n:
             raise ConfigError(
-                f"global_batch_size {global_batch_size} cannot be split evenly over {n} processes; "
+                f"global_batch_size {global_batch_size} cannot be split evenly over {plural(n, 'process')}; "
                 f"use a multiple of {n} (e.g. {_multiples_near(global_batch_size, n)}) or set batch.micro_batch_size"
             )
         return BatchPlan(global_batch_size, global_batch_size // n, 1, n)
     per_step = micro_batch_size * n
     if global_batch_size % per_step:
         raise ConfigError(
-            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} x {n} processes = {per_step}; "
+            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} x {plural(n, 'process')} = {per_step}; "
             f"use global_batch_size {_multiples_near(global_batch_size, per_step)}, or a micro_batch_size that divides {global_batch_size // n if global_batch_size % n == 0 else 'global_batch_size / processes'}"
         )
     return BatchPlan(global_batch_size, micro_batch_size, global_batch_size // per_step, n)

@@ -79,8 +79,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     strategy_cls = strategy_class(name, devices.nproc)
     strategy_cls.check_world(devices.nproc)
     if config.batch.global_batch_size is not None:
-        dp = 1 if strategy_cls.processes_per_node == 1 else devices.nproc
-        plan_batch(dp, config.batch.global_batch_size, config.batch.micro_batch_size)
+        plan_batch(strategy_cls.data_parallel_size_for(devices.nproc), config.batch.global_batch_size, config.batch.micro_batch_size)
     ranks = request.ranks if request.ranks is not None else launch.ranks
     if ranks not in ("0", "all"):
         raise PhalanxError(f"--ranks must be 0 or all, got '{ranks}'")

@@ -69,10 +69,15 @@ def make_plan(
     headroom: float = 0.9,
     trainable: int | None = None,
     precision: str = "fp32",
+    sequential: bool = True,
 ) -> Plan:
     """``headroom``: the fraction of device memory a plan may use (allocator, CUDA context, buffers).
-    Rows a strategy would refuse are left out: fsdp under fp16, pipeline under bf16/fp16."""
-    strategies = [s for s in ORDER if not (precision == "fp16" and s.startswith("fsdp")) and not (precision != "fp32" and s == "pipeline")]
+    Rows a strategy would refuse are left out: fsdp under fp16, pipeline under bf16/fp16 or for a
+    model that is not an nn.Sequential (``sequential``)."""
+    refused = {"fsdp-zero2", "fsdp-zero3"} if precision == "fp16" else set()
+    if precision != "fp32" or not sequential:
+        refused.add("pipeline")  # fp32 only, and an nn.Sequential model only
+    strategies = [s for s in ORDER if s not in refused]
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     rows = []
     # Every strategy without checkpointing first: recomputing the forward costs about a third

@@ -39,11 +39,15 @@ class Strategy:
                 f"launch with --set strategy.name={cls.name} (so the launcher starts one process) or --nproc {cls.processes_per_node}, or use strategy ddp"
             )
 
+    @classmethod
+    def data_parallel_size_for(cls, world_size: int) -> int:
+        """Processes that each take a different share of the global batch, out of ``world_size``."""
+        return world_size
+
     # -- worker side ----------------------------------------------------------------------
     @property
     def data_parallel_size(self) -> int:
-        """Processes that each take a different share of the global batch."""
-        return self.topology.world_size
+        return self.data_parallel_size_for(self.topology.world_size)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -149,6 +153,3 @@ def rebuild_arguments(optimizer: torch.optim.Optimizer) -> dict:
         return dict(optimizer.defaults)
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
-
-def plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('s') else 's'}"

@@ -8,7 +8,8 @@ import inspect
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.strategies.base import Strategy, plural
+from phalanx.strategies.base import Strategy
+from phalanx.words import plural
 
 _DDP_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 

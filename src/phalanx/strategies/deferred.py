@@ -40,14 +40,23 @@ class DeferredOutput(torch.Tensor):
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"DeferredOutput({'value=' + str(self.value.item()) if self.value is not None else 'pending'})"
 
-    def targets(self, batch: int) -> list[torch.Tensor]:
-        """Tensors in the loss code that hold one entry (or a fixed number) per sample: the targets."""
+    def target(self, batch: int) -> torch.Tensor | None:
+        """The tensor of the loss code that holds one entry per sample (or a fixed number of them,
+        as ``y.view(-1)`` does for tokens): the target, cut into pipeline micro-batches with the
+        output. One with exactly ``batch`` rows wins over multiples; two of a kind are ambiguous."""
         found: dict[int, torch.Tensor] = {}
         for _, args, kwargs in self.chain:
             for arg in (*args, *kwargs.values()):
-                if isinstance(arg, torch.Tensor) and arg.dim() and arg.shape[0] % batch == 0 and arg.shape[0] >= batch:
+                if isinstance(arg, torch.Tensor) and arg.dim() and arg.shape[0] >= batch and arg.shape[0] % batch == 0:
                     found[id(arg)] = arg
-        return list(found.values())
+        for candidates in ([t for t in found.values() if t.shape[0] == batch], list(found.values())):
+            if len(candidates) == 1:
+                return candidates[0]
+            if len(candidates) > 1:
+                raise PhalanxError(
+                    "strategy pipeline: the loss code uses several tensors with one row per sample; it can take the model's output and one target"
+                )
+        return None
 
     def replay(self, output: torch.Tensor, target: torch.Tensor | None, target_chunk: torch.Tensor | None) -> torch.Tensor:
         """Run the recorded loss code on one micro-batch: ``output`` for the model's output, the
@@ -61,4 +70,11 @@ class DeferredOutput(torch.Tensor):
 
 def _is_accessor(func: Callable) -> bool:
     # Properties (shape, dtype, device) and printing would need the real tensor.
-    return getattr(func, "__name__", "") in ("__get__", "__repr__", "__format__", "__bool__", "__len__", "item", "tolist", "numpy")
+    return getattr(func, "__name__", "") in _ACCESSORS
+
+
+# Reading the output (its size, its values) needs the real tensor, which only the last stage has.
+_ACCESSORS = frozenset(
+    ("__get__", "__format__", "__bool__", "__len__", "__iter__", "__getitem__", "item", "tolist", "numpy", "size", "dim", "numel",
+     "argmax", "argmin", "eq", "__eq__", "__ne__", "ne", "cpu", "to")
+)

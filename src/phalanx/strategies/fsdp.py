@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.strategies.base import Strategy, plural, rebuild_arguments
+from phalanx.strategies.base import Strategy, rebuild_arguments
+from phalanx.words import plural
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

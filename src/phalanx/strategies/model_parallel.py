@@ -87,7 +87,7 @@ def _refuse_shared_across_devices(units: list[tuple[str, nn.Module]], assignment
             first = owner.setdefault(id(param), (name, device))
             if first[1] != device:
                 raise ConfigError(
-                    f"strategy model_parallel: {first[0]} and {name} share a parameter but would sit on different devices; "
+                    f"{first[0]} and {name} share a parameter but would sit on different devices or stages; "
                     "untie the weights, or use fsdp"
                 )
 

@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.strategies.base import Strategy, plural, rebuild_arguments
+from phalanx.strategies.base import Strategy, rebuild_arguments
+from phalanx.words import plural
 from phalanx.strategies.deferred import DeferredOutput
-from phalanx.strategies.model_parallel import assign, placement_units
+from phalanx.strategies.model_parallel import _refuse_shared_across_devices, assign, placement_units
 
 
 class Pipeline(Strategy):
@@ -31,12 +32,13 @@ class Pipeline(Strategy):
         self.stage_module: nn.Module | None = None
         self._units: list[tuple[str, nn.Module]] = []
         self._stage_of: list[int] = []
-        self._schedule = self._forward_schedule = None
+        self._schedule = None
         self._pending: tuple[DeferredOutput, torch.Tensor | None, int] | None = None
         self._losses: list[torch.Tensor] = []
+        self._batch = 0  # the training micro-batch size the stages were built for
 
-    @property
-    def data_parallel_size(self) -> int:
+    @classmethod
+    def data_parallel_size_for(cls, world_size: int) -> int:
         return 1  # every stage sees the same batch: stage 0 its inputs, the last stage its targets
 
     @property
@@ -50,6 +52,8 @@ class Pipeline(Strategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+        if self.stage_module is not None:
+            raise ConfigError("strategy pipeline splits one model per Session; set up a single model")
         if not isinstance(model, nn.Sequential):
             raise ConfigError(
                 f"strategy pipeline needs an nn.Sequential model (its forward must apply its children in order), not {type(model).__name__}; "
@@ -58,6 +62,8 @@ class Pipeline(Strategy):
         opts, stages = self.config.strategy.pipeline, self.topology.world_size
         self._units = placement_units(model)
         self._stage_of = _split(self._units, stages, opts.split_points)
+        # A weight tied across stages would be updated as two untied copies.
+        _refuse_shared_across_devices(self._units, self._stage_of)
         mine = [unit for (_, unit), stage in zip(self._units, self._stage_of) if stage == self.topology.rank]
         self.stage_module = nn.Sequential(*mine).to(self.topology.device)
         stage = PipelineStage(self.stage_module, self.topology.rank, stages, self.topology.device)
@@ -65,8 +71,6 @@ class Pipeline(Strategy):
         # scale_grads would divide every gradient the stage holds, also those accumulated by
         # earlier micro-steps; the loss is divided instead (see _loss).
         self._schedule = schedule(stage, n_microbatches=opts.microbatches, loss_fn=self._loss, scale_grads=False)
-        # Evaluation has no targets, and a schedule with a loss function would ask for them.
-        self._forward_schedule = ScheduleGPipe(stage, n_microbatches=opts.microbatches)
         return _PipelineModel(self)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -83,13 +87,18 @@ class Pipeline(Strategy):
         if not isinstance(loss, DeferredOutput):
             raise PhalanxError("strategy pipeline: session.backward() expects the loss computed from model(x), as loss_fn(model(x), y)")
         (x, *_), batch = loss.inputs, loss.inputs[0].shape[0]
+        # torch's stages size their buffers from the first batch; a later batch of another size
+        # would be cut to those shapes, silently.
+        self._batch = self._batch or batch
+        if batch != self._batch:
+            raise PhalanxError(
+                f"strategy pipeline needs training micro-batches of one size: got {batch} samples after {self._batch}; "
+                "use a map-style dataset (phalanx pads every epoch to whole batches) or drop the last partial batch"
+            )
         micro = self.config.strategy.pipeline.microbatches
         if batch % micro:
             raise ConfigError(f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches={micro}; choose a divisor of {batch}")
-        targets = loss.targets(batch)
-        if len(targets) > 1:
-            raise PhalanxError("strategy pipeline: the loss uses several per-sample tensors; it can take the model's output and one target")
-        target = targets[0] if targets else None
+        target = loss.target(batch)
         self._pending, self._losses = (loss, target, accumulation_steps), []
         rank = self.topology.rank
         # torch's schedule hands every chunk a target; a loss without one gets a placeholder.
@@ -111,10 +120,21 @@ class Pipeline(Strategy):
         return value / (steps * self.config.strategy.pipeline.microbatches)
 
     def forward_only(self, *args: torch.Tensor) -> torch.Tensor:
-        """Evaluation: run the stages without backward; every rank gets the last stage's output."""
-        out = self._forward_schedule.step(*(args if self.topology.rank == 0 else ()))
-        box = [out.detach().cpu() if self.is_last else None]
-        dist.broadcast_object_list(box, src=self.topology.world_size - 1)
+        """Evaluation: the batch passes the stages one after the other (no schedule: torch's stages
+        keep the shapes of their first batch, and evaluation batches come in any size); every
+        rank gets the last stage's output."""
+        rank, last = self.topology.rank, self.topology.world_size - 1
+        if rank == 0:
+            hidden = args[0]
+        else:
+            box: list = [None]
+            dist.recv_object_list(box, src=rank - 1)
+            hidden = box[0].to(self.topology.device)
+        hidden = self.stage_module(hidden)
+        if rank < last:
+            dist.send_object_list([hidden.detach().cpu()], dst=rank + 1)
+        box = [hidden.detach().cpu() if rank == last else None]
+        dist.broadcast_object_list(box, src=last)
         return box[0].to(self.topology.device)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -138,6 +158,9 @@ class Pipeline(Strategy):
         for name, unit in self._own_units():
             prefix = f"{name}."
             unit.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.load_sharded_model_state_dict(model, state)  # a full dict holds every stage's keys
 
     def _own_units(self) -> list[tuple[str, nn.Module]]:
         return [(name, unit) for (name, unit), stage in zip(self._units, self._stage_of) if stage == self.topology.rank]
@@ -183,6 +206,8 @@ def _split(units: list[tuple[str, nn.Module]], stages: int, split_points: list[s
                 f"(unknown: {', '.join(unknown) or 'none'}); children: {', '.join(names)}"
             )
         starts = sorted(names.index(p) for p in split_points)
+        if len(set(starts)) != len(starts) or starts[0] == 0:
+            raise ConfigError(f"strategy.pipeline.split_points must be distinct children after the first ({names[0]}), or a stage is left empty")
         return [sum(i >= s for s in starts) for i in range(len(units))]
     if len(units) < stages:
         raise ConfigError(f"strategy pipeline: the model has {len(units)} children, fewer than the {stages} stages")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.strategies.base import plural, rebuild_arguments
+from phalanx.strategies.base import rebuild_arguments
+from phalanx.words import plural
 from phalanx.strategies.ddp import DDP
 
 
