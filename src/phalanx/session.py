@@ -380,7 +380,8 @@ class Session:
             raise PhalanxError(f"reduce op '{op}' is not one of {', '.join(_REDUCE_OPS)}")
         as_number = not isinstance(value, torch.Tensor)
         if self.strategy.data_parallel_size == 1:
-            return value  # one data-parallel process (pipeline stages all hold the same values)
+            # One data-parallel process (pipeline stages all hold the same values).
+            return float(value) if as_number else value
         tensor = torch.as_tensor(value, dtype=torch.float64 if as_number else None).to(self._comm_device())
         if self.world_size > 1:
             tensor = tensor.clone()
