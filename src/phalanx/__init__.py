@@ -1,11 +1,27 @@
 """phalanx: take a one-GPU PyTorch training loop to every GPU of the machine."""
 
-from phalanx.config import Config
-from phalanx.errors import ConfigError, PhalanxError
-from phalanx.launch.spawn import spawn
-from phalanx.session import Session
-from phalanx.topology import Topology
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "PhalanxError", "Session", "Topology", "spawn", "__version__"]
+# Imported on first use: `import phalanx` stays cheap (no torch) for the worker bootstrap, which
+# must be able to leave quietly when interrupted while torch is still loading.
+_EXPORTS = {
+    "Config": "phalanx.config",
+    "ConfigError": "phalanx.errors",
+    "PhalanxError": "phalanx.errors",
+    "Session": "phalanx.session",
+    "Topology": "phalanx.topology",
+    "spawn": "phalanx.launch.spawn",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'phalanx' has no attribute '{name}'")

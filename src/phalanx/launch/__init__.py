@@ -1,6 +1,3 @@
-"""Starting processes: ``phalanx launch`` (torch elastic) and ``phalanx.spawn`` (torch.multiprocessing)."""
-
-from phalanx.launch.launcher import LaunchRequest, launch, prepare
-from phalanx.launch.spawn import spawn
-
-__all__ = ["LaunchRequest", "launch", "prepare", "spawn"]
+"""Starting processes: ``phalanx launch`` (launcher.py, on torch elastic) and ``phalanx.spawn``
+(spawn.py, on torch.multiprocessing). Nothing is imported here, so the worker bootstrap can start
+before torch loads."""

@@ -7,16 +7,23 @@ Run as ``python -m phalanx.launch.worker script.py [args...]`` by torch's elasti
 from __future__ import annotations
 
 import os
-import runpy
+import signal
 import sys
-import traceback
 
-from phalanx.errors import PhalanxError
-from phalanx.launch.output import log_path, route_output
-from phalanx.topology import LaunchContext, Topology
+# Ctrl-C while torch is still loading would print an import traceback from every rank; until the
+# user's script runs, an interrupt just ends this process (the launcher reports the signal).
+signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+import runpy  # noqa: E402
+import traceback  # noqa: E402
+
+from phalanx.errors import PhalanxError  # noqa: E402
+from phalanx.launch.output import log_path, route_output  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
+    from phalanx.topology import LaunchContext, Topology  # loads torch
+
     script, *script_args = argv
     context = LaunchContext.from_env() or LaunchContext()
     topology = Topology.from_env(force_cpu=context.force_cpu)
@@ -27,6 +34,7 @@ def main(argv: list[str]) -> int:
 
     sys.argv = [script, *script_args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the script gets KeyboardInterrupt as usual
     try:
         runpy.run_path(script, run_name="__main__")
         return 0
