@@ -93,15 +93,15 @@ def test_model_parallel_refuses_several_processes():
 
 
 def test_model_parallel_refuses_weights_tied_across_devices():
-    from phalanx.strategies.model_parallel import _refuse_shared_across_devices
+    from phalanx.strategies.model_parallel import refuse_shared_across
 
     embed = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)
     head.weight = embed.weight
     units = [("embed", embed), ("mid", torch.nn.Linear(4, 4)), ("head", head)]
-    _refuse_shared_across_devices(units, [0, 0, 0])  # one device: fine
+    refuse_shared_across(units, [0, 0, 0])  # one device: fine
     with pytest.raises(phalanx.ConfigError, match="embed and head share a parameter"):
-        _refuse_shared_across_devices(units, [0, 1, 1])
+        refuse_shared_across(units, [0, 1, 1])
 
 
 PIPELINES = {  # id: (strategy, micro_batch_size)

@@ -8,7 +8,7 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from phalanx.errors import ConfigError
+from phalanx.modules import submodules_of
 
 
 def apply_activation_checkpointing(model: nn.Module, class_names: list[str], setting: str = "strategy.activation_checkpointing") -> int:
@@ -16,13 +16,7 @@ def apply_activation_checkpointing(model: nn.Module, class_names: list[str], set
     ``setting`` names where the list came from, for the error message."""
     if not class_names:
         return 0
-    found = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
-    if not found:
-        present = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigError(
-            f"{setting} names {', '.join(class_names)}, but the model has no such submodule; "
-            f"its module classes are: {', '.join(present)}"
-        )
+    found = submodules_of(model, class_names, setting)
     for module in found:
         module.forward = _checkpointed(module.forward)
     return len(found)

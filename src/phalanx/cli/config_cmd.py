@@ -7,10 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.prompt import Confirm, IntPrompt, Prompt
 from rich.table import Table
 
+from phalanx.cli.console import console
 from phalanx.config.loader import DEFAULT_FILE, load_config
 from phalanx.config.schema import Config
 from phalanx.config.template import render, scalar
@@ -86,8 +86,5 @@ def _run_show(args: argparse.Namespace) -> int:
         source = sources.get(key, "default")
         style = None if source == "default" else "bold"
         table.add_row(key, scalar(value), source, style=style)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)  # pipes and logs get whole source names, not wrapped ones
-    console.print(table)
+    console().print(table)
     return 0

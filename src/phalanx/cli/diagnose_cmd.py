@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
-
+from phalanx.cli.console import console
 from phalanx.config.loader import DEFAULT_FILE, load_config
 from phalanx.diagnose.doctor import DoctorOptions, run_doctor
 from phalanx.diagnose.facts import gather_facts
@@ -38,11 +37,6 @@ def register(commands) -> None:
     doctor.set_defaults(run=_run_doctor)
 
 
-def _console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=140)  # pipes and logs: no narrow wrapping
-
-
 def _run_env(args: argparse.Namespace) -> int:
     facts = gather_facts()
     try:
@@ -60,7 +54,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doctor_json(report), indent=2))
     else:
-        console = _console()
+        out = console(width=140)  # the doctor's findings are long: wide pipes and logs
         for part in doctor_renderables(report):
-            console.print(part)
+            out.print(part)
     return report.exit_code

@@ -9,9 +9,9 @@ from collections import Counter
 import torch
 import yaml
 from torch import nn
-from rich.console import Console
 from rich.table import Table
 
+from phalanx.cli.console import console as make_console
 from phalanx.errors import PhalanxError
 from phalanx.plan import count_parameters, load_factory, make_plan, measure_activations
 from phalanx.plan.measure import build
@@ -96,9 +96,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print(plan, args, measured_on, classes) -> None:
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)
+    console = make_console()
     state = "mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper)" if args.accounting == "zero-paper" else f"{args.precision}, {args.optimizer}"
     title = f"{plan.n_params:,} parameters, {plan.devices} devices, micro-batch {args.micro_batch}, {state}"
     table = Table(title=title)

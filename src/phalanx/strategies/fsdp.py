@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.modules import post_order, submodules_of
 from phalanx.strategies.base import Strategy, rebuild_arguments
 from phalanx.words import plural
 
@@ -50,14 +51,10 @@ class FSDP(Strategy):
         opts = self.config.strategy.fsdp
         if opts.wrap:
             # Innermost first, as fully_shard expects when listed classes nest.
-            units = [m for m in _post_order(model) if type(m).__name__ in opts.wrap and m is not model]
-            if not units:
-                present = sorted({type(m).__name__ for m in model.modules()})
-                raise ConfigError(f"strategy.fsdp.wrap names {', '.join(opts.wrap)}, but the model has no such submodule; its module classes are: {', '.join(present)}")
-            return units
+            return submodules_of(model, opts.wrap, "strategy.fsdp.wrap")
         # Automatic: deepest first, a submodule whose not-yet-claimed parameters reach min_params.
         units, claimed = [], set()
-        for module in _post_order(model):
+        for module in post_order(model):
             if module is model:
                 continue
             own = [p for p in module.parameters() if id(p) not in claimed]
@@ -120,8 +117,3 @@ def _gradient_sync_off(model: nn.Module):
     finally:
         model.set_requires_gradient_sync(True)
 
-
-def _post_order(module: nn.Module):
-    for child in module.children():
-        yield from _post_order(child)
-    yield module

@@ -38,7 +38,7 @@ class ModelParallel(Strategy):
         if not units:
             raise ConfigError("strategy model_parallel: the model has no child modules to place on devices")
         assignment = assign(units, len(devices))
-        _refuse_shared_across_devices(units, assignment)
+        refuse_shared_across(units, assignment)
         for (name, unit), index in zip(units, assignment):
             unit.to(devices[index])
             unit.register_forward_pre_hook(_move_inputs(devices[index]), with_kwargs=True)
@@ -79,7 +79,7 @@ def assign(units: list[tuple[str, nn.Module]], n_devices: int) -> list[int]:
     return out
 
 
-def _refuse_shared_across_devices(units: list[tuple[str, nn.Module]], assignment: list[int]) -> None:
+def refuse_shared_across(units: list[tuple[str, nn.Module]], assignment: list[int]) -> None:
     # A tied weight (say, input embedding and output layer) can live on one device only.
     owner: dict[int, tuple[str, int]] = {}
     for (name, unit), device in zip(units, assignment):

@@ -18,7 +18,7 @@ from phalanx.errors import ConfigError, PhalanxError
 from phalanx.strategies.base import Strategy, rebuild_arguments
 from phalanx.words import plural
 from phalanx.strategies.deferred import DeferredOutput
-from phalanx.strategies.model_parallel import _refuse_shared_across_devices, assign, placement_units
+from phalanx.strategies.model_parallel import refuse_shared_across, assign, placement_units
 
 
 class Pipeline(Strategy):
@@ -63,7 +63,7 @@ class Pipeline(Strategy):
         self._units = placement_units(model)
         self._stage_of = _split(self._units, stages, opts.split_points)
         # A weight tied across stages would be updated as two untied copies.
-        _refuse_shared_across_devices(self._units, self._stage_of)
+        refuse_shared_across(self._units, self._stage_of)
         mine = [unit for (_, unit), stage in zip(self._units, self._stage_of) if stage == self.topology.rank]
         self.stage_module = nn.Sequential(*mine).to(self.topology.device)
         stage = PipelineStage(self.stage_module, self.topology.rank, stages, self.topology.device)

@@ -1,0 +1,29 @@
+"""Finding a model's submodules by class name, for settings that list classes."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch import nn
+
+from phalanx.errors import ConfigError
+
+
+def post_order(module: nn.Module) -> Iterator[nn.Module]:
+    """Every submodule, children before their parents (innermost first)."""
+    for child in module.children():
+        yield from post_order(child)
+    yield module
+
+
+def submodules_of(model: nn.Module, class_names: list[str], setting: str) -> list[nn.Module]:
+    """The model's submodules (not the model itself) of the listed classes, innermost first;
+    ``setting`` names the list in the error raised when none exists."""
+    found = [m for m in post_order(model) if type(m).__name__ in class_names and m is not model]
+    if not found:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(
+            f"{setting} names {', '.join(class_names)}, but the model has no such submodule; "
+            f"its module classes are: {', '.join(present)}"
+        )
+    return found
