@@ -1,0 +1,225 @@
+"""One record per optimizer step, kept by the Session: JSONL in ``<run dir>/metrics/rank<N>.jsonl``,
+TensorBoard scalars on rank 0, the profiler window and the FLOPs count for MFU.
+
+Loss and gradient norm stay tensors until a flush (about once a second), so recording never makes
+the host wait for the device in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.config.schema import Config
+from phalanx.errors import ConfigError
+from phalanx.metrics.board import Board
+from phalanx.metrics.flops import LOCAL_FORWARD, count_on_first_forward, peak_flops_per_s
+from phalanx.metrics.profile import ProfileWindow, StepProfiler
+from phalanx.metrics.summary import FLOPS_FILE, summarize
+from phalanx.topology import Topology
+
+_FLUSH_S = 1.0
+_FLUSH_STEPS = 50
+_KEPT = 10_000  # records kept in memory (``records``), the most recent ones
+
+
+class StepRecorder:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        enabled: bool = True,
+        out_dir: Path | None = None,
+        board: Board | None = None,
+        profiler: StepProfiler | None = None,
+        peak_flops_per_s: float | None = None,
+        summary_at_close: bool = False,
+    ):
+        self.rank = topology.rank
+        self.device = topology.device
+        self.enabled = enabled
+        self.records: deque[dict[str, Any]] = deque(maxlen=_KEPT)
+        self.flops_per_sample: float | None = None
+        self.peak_flops_per_s = peak_flops_per_s
+        self._out_dir = out_dir
+        self._file = None
+        if enabled and out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(out_dir / f"rank{self.rank}.jsonl", "a", encoding="utf-8")  # a restarted rank appends
+        self._board = board
+        self._profiler = profiler
+        self._summary_at_close = summary_at_close
+        self._pending: list[dict[str, Any]] = []
+        self._created = self._flushed = time.perf_counter()
+        self._step_start: float | None = None
+        self._sync_start: float | None = None
+        self._wait = 0.0
+        self._grad_norm: torch.Tensor | None = None
+        self._last_step = 0
+        self._watching = False
+        self._closed = False
+
+    # -- fed by the Session and its loaders --------------------------------------------------
+    def add_wait(self, seconds: float) -> None:
+        """Time a training loader spent producing the next batch."""
+        if self._step_start is None:  # the first batch was requested `seconds` ago
+            self._step_start = time.perf_counter() - seconds
+            if self._profiler is not None:
+                self._profiler.step_end(0)
+        self._wait += seconds
+
+    def sync_started(self) -> None:
+        """The step's synchronising part begins: backward of its last micro-batch."""
+        if self._sync_start is None:
+            self._sync_start = time.perf_counter()
+
+    def note_grad_norm(self, norm: torch.Tensor | None) -> None:
+        if self._grad_norm is None:
+            self._grad_norm = norm
+
+    def watch_model(self, model: nn.Module, local: nn.Module) -> None:
+        """Count FLOPs per sample on the model's first forward, where MFU can be shown."""
+        if self.peak_flops_per_s is None:
+            return
+        if self._watching:  # several models: whose FLOPs would MFU divide by?
+            self.peak_flops_per_s = None
+            return
+        self._watching = True
+        count_on_first_forward(model, local, self._set_flops)
+
+    def record(self, stepped: bool, step: int, epoch: int, samples: int | None, loss: torch.Tensor | None, lr: Any) -> None:
+        """At the end of every optimizer step. One the fp16 GradScaler skipped (``stepped`` False)
+        makes no record; its time and data wait count in the next one."""
+        now = time.perf_counter()
+        sync_start, self._sync_start = self._sync_start, None
+        grad_norm, self._grad_norm = self._grad_norm, None
+        if not stepped:
+            return
+        if self.enabled:
+            step_time = now - (self._step_start if self._step_start is not None else self._created)
+            self._pending.append(
+                {
+                    "rank": self.rank,
+                    "step": step,
+                    "epoch": epoch,
+                    "time": time.time(),
+                    "step_time": step_time,
+                    "data_wait": self._wait,
+                    "sync_time": now - sync_start if sync_start is not None else 0.0,
+                    "samples": samples,
+                    "samples_per_s": samples / step_time if samples and step_time > 0 else None,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "peak_mem_bytes": self._peak_memory(),
+                }
+            )
+            if len(self._pending) >= _FLUSH_STEPS or now - self._flushed >= _FLUSH_S:
+                self.flush()
+        self._step_start, self._wait = now, 0.0
+        self._last_step = step
+        if self._profiler is not None and self._profiler.step_end(step):
+            self._step_start = time.perf_counter()  # saving the trace is no part of the next step
+
+    # -- out ------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        self._flushed = time.perf_counter()
+        if not self._pending:
+            return
+        rows = [{key: _plain(value) for key, value in rec.items()} for rec in self._pending]
+        self._pending.clear()
+        self.records.extend(rows)
+        if self._file is not None:
+            self._file.write("".join(json.dumps(row) + "\n" for row in rows))
+            self._file.flush()
+        if self._board is not None:
+            self._board.write(rows)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._profiler is not None:
+            self._profiler.close(self._last_step)
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+        if self._board is not None:
+            self._board.close()
+        if self._summary_at_close:
+            summary = summarize({self.rank: list(self.records)}, self._flops_facts())
+            if summary is not None:
+                from phalanx.metrics.report import one_line
+
+                print(one_line(summary), flush=True)
+
+    def _set_flops(self, value: float | None) -> None:
+        self.flops_per_sample = value
+        facts = self._flops_facts()
+        if facts is not None and self._out_dir is not None:
+            (self._out_dir / FLOPS_FILE).write_text(json.dumps(facts) + "\n")
+
+    def _flops_facts(self) -> dict[str, Any] | None:
+        if self.flops_per_sample is None or self.peak_flops_per_s is None:
+            return None
+        facts = {"flops_per_sample": self.flops_per_sample, "peak_flops_per_s": self.peak_flops_per_s}
+        if self.device.type == "cuda":
+            facts["device"] = torch.cuda.get_device_name(self.device)
+        return facts
+
+    def _peak_memory(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)  # so the next record is that step's own peak
+        return peak
+
+
+def create_recorder(config: Config, topology: Topology, run_dir: str | None, strategy: str) -> StepRecorder:
+    """The Session's recorder, from ``train.metrics``, ``train.tensorboard`` and ``train.profile``."""
+    train = config.train
+    root = Path(run_dir) if run_dir else None
+    window = ProfileWindow.parse(train.profile) if train.profile else None  # every rank refuses a bad spec
+    absent = [r for r in train.profile_ranks if r >= topology.world_size]
+    if window is not None and absent:
+        raise ConfigError(f"train.profile_ranks names rank {absent[0]}, but this run has ranks 0-{topology.world_size - 1}")
+    profiler = None
+    if window is not None and topology.rank in train.profile_ranks:
+        profiler = StepProfiler(window, topology.rank, topology.device, (root or Path.cwd()) / "profile")
+    board = None
+    if train.metrics and train.tensorboard and root is not None and topology.is_main:
+        board = Board.open(root / "tensorboard")
+    peak = None
+    if train.metrics and topology.is_main and topology.device.type == "cuda" and strategy in LOCAL_FORWARD:
+        peak = peak_flops_per_s(torch.cuda.get_device_name(topology.device), config.precision.mode, config.precision.tf32)
+    return StepRecorder(
+        topology,
+        enabled=train.metrics,
+        out_dir=root / "metrics" if root is not None else None,
+        board=board,
+        profiler=profiler,
+        peak_flops_per_s=peak,
+        summary_at_close=train.metrics and root is None and topology.world_size == 1,
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value: tensors read (the device sync happens here, once per flush); NaN and
+    infinity become null, which strict JSON readers accept."""
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "to_local"):  # a DTensor: reading it whole would be a collective
+            value = value.to_local()
+        try:
+            value = value.item() if value.numel() == 1 else None
+        except RuntimeError:
+            return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
