@@ -1,0 +1,118 @@
+"""Per-step metrics of a run -> its figures; figures at 1..N devices -> efficiency and step-time split.
+
+Pure functions of the records, so tests feed them synthetic metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.errors import PhalanxError
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """One run, as medians over its steps after warm-up."""
+
+    nproc: int
+    global_batch: int  # samples per optimizer step over all devices
+    steps: int  # steps measured (after warm-up)
+    samples_per_s: float
+    step_time: float  # seconds; a step's time is its slowest rank's
+    data_wait: float  # seconds; a step's wait is its longest-waiting rank's
+    peak_mem_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """One device count against the 1-device run."""
+
+    run: RunFigures
+    speedup: float
+    efficiency: float  # samples/s(N) / (N x samples/s(1))
+    compute: float  # the 1-device step time minus its data wait
+    comm_wait: float  # step time - compute - data wait, at least 0
+
+    @property
+    def nproc(self) -> int:
+        return self.run.nproc
+
+
+def read_metrics(metrics_dir: Path) -> dict[int, list[dict]]:
+    """``rank<N>.jsonl`` files -> records per rank. A run stopped mid-write may end in half a line."""
+    by_rank: dict[int, list[dict]] = {}
+    for path in sorted(metrics_dir.glob("rank*.jsonl")):
+        records = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        by_rank[int(path.stem.removeprefix("rank"))] = records
+    return by_rank
+
+
+def steps_recorded(metrics_dir: Path) -> int:
+    """Optimizer steps every rank has written so far (0 before the files exist)."""
+    counts = [sum(1 for _ in path.open(encoding="utf-8", errors="replace")) for path in metrics_dir.glob("rank*.jsonl")]
+    return min(counts, default=0)
+
+
+def run_figures(nproc: int, by_rank: dict[int, list[dict]], warmup: int, name: str, limit: int | None = None) -> RunFigures:
+    """Steps ``warmup + 1`` to ``limit``; ``name`` says which run in errors. Steps that not every
+    rank recorded are left out, and so are those past ``limit``: a run stopped from outside goes
+    on for a moment, and its last steps overlap the shutdown."""
+    steps: dict[int, list[dict]] = {}
+    for records in by_rank.values():
+        # A rank that torch elastic restarted appends to its file: its last record of a step counts.
+        for step, record in {int(r["step"]): r for r in records}.items():
+            steps.setdefault(step, []).append(record)
+    complete = [steps[s] for s in sorted(steps) if len(steps[s]) == len(by_rank)]
+    if not complete:
+        raise PhalanxError(f"{name} recorded no optimizer step in its metrics; bench reads the per-step metrics phalanx.Session writes")
+    measured = complete[warmup:limit]
+    if not measured:
+        raise PhalanxError(f"{name} recorded {len(complete)} step(s), all of them warm-up ({warmup}); raise --steps or lower --warmup")
+    if any(step[0].get("samples") is None for step in measured):
+        raise PhalanxError(
+            f"{name} recorded no samples per step: phalanx knows the global batch only from a training (shuffling) "
+            "DataLoader or from batch.global_batch_size; add --set batch.global_batch_size=N"
+        )
+    step_time = statistics.median(max(r["step_time"] for r in step) for step in measured)
+    data_wait = statistics.median(max(r["data_wait"] for r in step) for step in measured)
+    batch = int(statistics.median(step[0]["samples"] for step in measured))
+    peaks = [r["peak_mem_bytes"] for step in measured for r in step if r.get("peak_mem_bytes")]
+    return RunFigures(
+        nproc=nproc,
+        global_batch=batch,
+        steps=len(measured),
+        samples_per_s=batch / step_time if step_time > 0 else 0.0,
+        step_time=step_time,
+        data_wait=data_wait,
+        peak_mem_bytes=max(peaks) if peaks else None,
+    )
+
+
+def scaling(runs: list[RunFigures]) -> list[Scaling]:
+    """Each run against the 1-device one. The split is an estimate: the 1-device compute is assumed
+    to hold at N devices, which needs the same micro-batch per device (bench keeps it)."""
+    base = next((r for r in runs if r.nproc == 1), None)
+    if base is None:
+        raise PhalanxError("scaling needs the 1-device run as its baseline")
+    compute = max(base.step_time - base.data_wait, 0.0)
+    rows = []
+    for run in sorted(runs, key=lambda r: r.nproc):
+        ideal = run.nproc * base.samples_per_s
+        rows.append(
+            Scaling(
+                run=run,
+                speedup=run.samples_per_s / base.samples_per_s if base.samples_per_s else 0.0,
+                efficiency=run.samples_per_s / ideal if ideal else 0.0,
+                compute=compute,
+                comm_wait=max(run.step_time - compute - run.data_wait, 0.0),
+            )
+        )
+    return rows
