@@ -8,6 +8,7 @@ processes train like one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -38,6 +39,8 @@ class ShardedSampler(Sampler[int]):
         self.multiple_of = multiple_of
         self.drop_last = drop_last
         self.epoch = 0
+        # Global position where the next pass starts (a resumed epoch); one pass uses it up.
+        self.start = 0
         if drop_last and dataset_len < multiple_of:
             raise PhalanxError(
                 f"drop_last is on (data.drop_last or the DataLoader's drop_last=True) but the dataset has {dataset_len} samples, "
@@ -45,6 +48,8 @@ class ShardedSampler(Sampler[int]):
             )
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
         self.epoch = epoch
 
     @property
@@ -65,10 +70,11 @@ class ShardedSampler(Sampler[int]):
         return order[:total]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.global_order()[self.rank :: self.world_size].tolist())
+        start, self.start = self.start, 0
+        return iter(self.global_order()[start + self.rank :: self.world_size].tolist())
 
     def __len__(self) -> int:
-        return self.global_len // self.world_size
+        return (self.global_len - self.start) // self.world_size
 
 
 @dataclass
@@ -92,6 +98,31 @@ class DeviceLoader:
         # Positions matter only where gather_for_metrics drops padding: evaluation loaders.
         self.state = LoaderState(sampler.dataset_len, sampler.world_size) if sampler is not None and not train else None
         self.on_batch = None  # set by the Session to learn which loader is active
+        self.on_wait = None  # set by the Session: seconds each batch took to arrive (metrics)
+        self.on_start = None  # set by the Session: called before a training pass begins
+        self.on_iterating = None  # set by the Session: called once the pass's iterator exists
+        self._pass_start = 0  # global position where the current pass began
+        self._served = 0  # batches handed out in the current pass
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch if self.sampler is not None else 0
+
+    @property
+    def position(self) -> int | None:
+        """Samples of this epoch's global order consumed by all ranks together (what a resumed run
+        skips); None for iterable datasets, whose order phalanx does not control."""
+        if self.sampler is None:
+            return None
+        return self._pass_start + self._served * (self.loader.batch_size or 1) * self.sampler.world_size
+
+    def resume_at(self, epoch: int, position: int | None) -> None:
+        """Make the next pass of ``epoch`` start at global ``position`` (from a checkpoint)."""
+        if self.sampler is None or position is None:
+            return
+        self.sampler.epoch = epoch
+        self.sampler.start = self._pass_start = min(position, self.sampler.global_len)
+        self._served = 0
 
     @property
     def dataset(self):
@@ -103,20 +134,36 @@ class DeviceLoader:
 
     def set_epoch(self, epoch: int) -> None:
         if self.sampler is not None:
+            if epoch != self.sampler.epoch:
+                self._pass_start = self._served = 0  # a new epoch: nothing of it consumed yet
             self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.on_start is not None:
+            self.on_start(self)  # may resume from a checkpoint, which moves the sampler's start
+        self._pass_start = self.sampler.start if self.sampler is not None else 0
+        self._served = 0
         consumed = 0
-        for batch in self.loader:
+        requested = time.perf_counter()  # starting workers is waiting for data too
+        # Creating a DataLoader iterator draws from torch's RNG (its workers' base seed); a resumed
+        # run restores the generators after that draw, where the uninterrupted run's state was.
+        batches = iter(self.loader)
+        if self.on_iterating is not None:
+            self.on_iterating(self)
+        for batch in batches:
+            if self.on_wait is not None:
+                self.on_wait(time.perf_counter() - requested)
             if self.state is not None:
                 self.state.batch_start = consumed
                 consumed += _batch_len(batch)
             if self.on_batch is not None:
                 self.on_batch(self)
+            self._served += 1
             yield to_device(batch, self.device, self.non_blocking)
+            requested = time.perf_counter()
 
 
 def shard_loader(

@@ -20,6 +20,7 @@ import random
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -33,9 +34,17 @@ from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.loader import load_config, override_config
 from phalanx.config.template import write_resolved
 from phalanx.config.schema import Config
+from phalanx import session_checkpoint
+from phalanx.checkpoint import files as checkpoint_files
+from phalanx.config.schema import parse_period
 from phalanx.data import DeviceLoader, is_training_loader, shard_loader
 from phalanx.errors import ConfigError, PhalanxError
+from phalanx.faults import markers
+from phalanx.faults.control import StepAgreement
+from phalanx.faults.preempt import TermWatch
+from phalanx.faults.watchdog import Watchdog
 from phalanx.lr import LRScaling
+from phalanx.metrics.recorder import create_recorder
 from phalanx.precision import Precision
 from phalanx.progress import Throughput, track
 from phalanx.recompute import apply_activation_checkpointing
@@ -63,6 +72,7 @@ class Session:
         self.strategy = create_strategy(config, self.topology)
         self.strategy.setup_environment()
         self.precision = Precision(config.precision, self.topology.device)
+        self.metrics = create_recorder(config, self.topology, self.context and self.context.run_dir, self.strategy.name)
 
         self.batch: BatchPlan | None = None
         if config.batch.global_batch_size or config.batch.micro_batch_size:
@@ -85,6 +95,9 @@ class Session:
         self._active_loader: DeviceLoader | None = None
         self._closed = False
         self._set_up = False
+        self._resume_checked = False
+        self._pending_rng: dict | None = None  # restored when the next training pass starts
+        self._start_faults()
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
 
@@ -178,6 +191,10 @@ class Session:
             drop_last=self.config.data.drop_last,
         )
         wrapped.on_batch = self._on_batch
+        wrapped.on_wait = self.metrics.add_wait if train else None
+        if train:
+            wrapped.on_start = lambda _: self._ensure_resumed()
+            wrapped.on_iterating = lambda _: self._restore_rng()
         self._loaders.append(wrapped)
         return wrapped
 
@@ -203,6 +220,7 @@ class Session:
         if self.precision.mode != "fp32":
             wrapped.forward = self.precision.wrap_forward(wrapped.forward, autocast=not self.strategy.handles_precision)
         self._models.append(wrapped)
+        self.metrics.watch_model(wrapped, self.strategy.unwrap(wrapped))
         return wrapped
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -246,6 +264,7 @@ class Session:
     def epochs(self, epochs: int | None = None) -> Iterator[int]:
         """Yield epoch numbers, reshuffling every training loader (``set_epoch``) for each."""
         total = self.config.train.epochs if epochs is None else epochs
+        self._ensure_resumed()
         for epoch in range(self.epoch, total):
             self.epoch = epoch
             for loader in self._loaders:
@@ -283,6 +302,9 @@ class Session:
     def accumulate(self, model: nn.Module) -> Iterator[None]:
         """One micro-step: gradients are synchronised and the optimizer stepped only on the last
         micro-step of each global batch."""
+        if not self._resume_checked:
+            self._ensure_resumed()
+        self._beat()
         self._micro += 1
         self.sync_gradients = self._micro >= self.accumulation_steps
         self._in_accumulate = True
@@ -301,6 +323,8 @@ class Session:
             raise PhalanxError(
                 f"accumulation_steps is {steps}: put the forward and session.backward(loss) inside `with session.accumulate(model):`"
             )
+        if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
+            self.metrics.sync_started()
         self._last_loss = self.strategy.backward(loss, self.precision, steps)
 
     def clip_grad_norm_(self, max_norm: float, model: nn.Module | None = None) -> torch.Tensor | None:
@@ -313,7 +337,9 @@ class Session:
             for opt in self._optimizers:
                 self.precision.unscale(opt)
             self._unscaled = True
-        return self.strategy.clip_grad_norm_(model, max_norm)
+        norm = self.strategy.clip_grad_norm_(model, max_norm)
+        self.metrics.note_grad_norm(norm)
+        return norm
 
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
@@ -349,10 +375,13 @@ class Session:
                 self._schedulers = [(sched, sched.last_epoch) for sched, _ in self._schedulers]
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
+            lr = base[0][0] * multiplier if base else None
+            self.metrics.record(stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr)
         finally:
             self._in_step = False
             self._micro = 0
             self._unscaled = False
+        self._after_step()
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
@@ -373,6 +402,7 @@ class Session:
     # -- across processes ---------------------------------------------------------------------
     def _on_batch(self, loader: DeviceLoader) -> None:
         self._active_loader = loader
+        self._beat()
 
     def reduce(self, value: Any, op: str = "mean") -> Any:
         """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min."""
@@ -410,6 +440,7 @@ class Session:
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
+        self._beat()
 
     def _comm_device(self) -> torch.device:
         return self.device if self.topology.backend == "nccl" else torch.device("cpu")
@@ -439,11 +470,138 @@ class Session:
         """Full weights of the bare model (no ``module.`` prefix), loadable into a plain nn.Module."""
         return self.strategy.model_state_dict(model or self._only_model())
 
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write a full checkpoint (models, optimizers, schedulers, scaler, counters, data position,
+        every rank's RNG) into ``checkpoint.dir``, atomically; every rank must call it. Returns its directory."""
+        if self._micro:
+            raise PhalanxError("session.save() was called inside an accumulation window; call it after the `with session.accumulate(model):` block")
+        if not self._models:
+            raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
+        self._resume_checked = True  # a run that saved has started; never resume over it later
+        if self._watchdog:
+            self._watchdog.pause()
+        try:
+            path = session_checkpoint.save(self, self._checkpoint_root())
+        finally:
+            if self._watchdog:
+                self._watchdog.resume()
+        self._agreement.saved()
+        self.print(f"phalanx: saved checkpoint {path} (step {self.step_count})")
+        return path
+
+    def load(self, path: str | Path | None = None, *, weights_only: bool = False) -> Path:
+        """Restore from checkpoint ``path`` (default: the latest in ``checkpoint.dir``); every rank
+        must call it, after setup(). ``weights_only``: only the models' weights (e.g. to fine-tune)."""
+        if not self._models:
+            raise PhalanxError("session.load() needs the model set up first: call session.setup(model, optimizer, ...) before it")
+        if path is None:
+            path = self._latest_checkpoint()
+            if path is None:
+                raise PhalanxError(f"no checkpoint in '{self._checkpoint_root()}' to load; pass a path, or save one first")
+        self._resume_checked = True
+        if self._watchdog:
+            self._watchdog.pause()
+        try:
+            manifest = session_checkpoint.load(self, Path(path), weights_only=weights_only)
+        finally:
+            if self._watchdog:
+                self._watchdog.resume()
+        where = Path(manifest["path"])
+        if weights_only:
+            self.print(f"phalanx: loaded the weights of {where}")
+        else:
+            self.print(f"phalanx: resumed from {where}: {_position_words(manifest)}")
+        return where
+
+    def _checkpoint_root(self) -> Path:
+        return Path(self.config.checkpoint.dir)
+
+    def _latest_checkpoint(self, *, this_run: bool = False) -> Path | None:
+        """The newest complete checkpoint (``this_run``: only one this launch wrote)."""
+        found = checkpoint_files.latest(self._checkpoint_root()) if self.is_main else None
+        if found is not None and this_run:
+            run_dir = self.context.run_dir if self.context else None
+            if run_dir is None or checkpoint_files.read_manifest(found).get("run_dir") != run_dir:
+                found = None
+        if self.world_size > 1 and dist.is_initialized():
+            box = [found]
+            dist.broadcast_object_list(box, src=0)  # rank 0 decides, so no rank sees a different 'latest'
+            found = box[0]
+        return found
+
+    def _restore_rng(self) -> None:
+        if self._pending_rng is not None:
+            state, self._pending_rng = self._pending_rng, None
+            session_checkpoint.rng.restore(state, self.device)
+
+    def _train_loaders(self) -> list[DeviceLoader]:
+        return [loader for loader in self._loaders if loader.train]
+
+    def _ensure_resumed(self) -> None:
+        """Before training starts: continue from a checkpoint when checkpoint.resume says so (and
+        always after torch elastic restarted the job)."""
+        if self._resume_checked or not self._models:
+            return
+        self._resume_checked = True
+        spec, restart = self.config.checkpoint.resume, self.topology.restart_count
+        if spec == "never" and not restart:
+            return
+        if spec == "auto" or restart:
+            # After a restart, resume.never still means "not from an earlier launch".
+            path = self._latest_checkpoint(this_run=spec == "never")
+            if path is None:
+                if restart:
+                    self.print(f"phalanx: restart {restart}: no checkpoint in '{self._checkpoint_root()}' yet; starting from the beginning")
+                return
+        else:
+            path = Path(spec)
+        if restart:
+            self.print(f"phalanx: restart {restart} after a failure")
+        self.load(path)
+
+    # -- faults -------------------------------------------------------------------------------
+    def _start_faults(self) -> None:
+        faults, run_dir = self.config.faults, self.context.run_dir if self.context else None
+        launched = self.topology.launched
+        self._watchdog = Watchdog(faults.hang_timeout, self.rank, run_dir) if launched and faults.hang_timeout > 0 else None
+        self._term = TermWatch(run_dir, faults.preempt_grace, self.rank) if launched else None
+        every = self.config.checkpoint.save_every
+        period = parse_period(every) if isinstance(every, str) else None
+        self._agreement = StepAgreement(self.world_size, self._comm_device(), period)
+
+    def _beat(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.beat()
+
+    def _after_step(self) -> None:
+        self._beat()
+        every = self.config.checkpoint.save_every
+        stop, timed = self._agreement.poll(self.step_count, bool(self._term and self._term.requested))
+        if stop:
+            self._stop_for_preemption()
+        if timed or (isinstance(every, int) and self.step_count % every == 0):
+            self.save()
+
+    def _stop_for_preemption(self) -> None:
+        path = self.save()
+        record = markers.path(self.context.run_dir if self.context else None, markers.PREEMPTED)
+        if self.is_main and record is not None:
+            checkpoint_files.write_json_atomic(record, {"step": self.step_count, "checkpoint": str(path.resolve())})
+        if record is None:  # under phalanx launch, the launcher says it once for the job
+            self.print(f"phalanx: pre-empted: checkpoint {path} written at step {self.step_count}; launch again to resume")
+        raise SystemExit(markers.PREEMPTED_EXIT)
+
     # -- teardown -----------------------------------------------------------------------------
     def close(self, *, sync: bool = True) -> None:
         """Leave the process group; ``sync`` waits for every rank first (see Strategy.teardown)."""
         if not self._closed:
             self._closed = True
+            self.metrics.close()
+            if self._watchdog is not None:
+                self._watchdog.close()
+            if self._term is not None:
+                self._term.close()
             self.strategy.teardown(sync=sync)
 
     def __enter__(self) -> "Session":
@@ -464,6 +622,14 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _position_words(manifest: dict) -> str:
+    words = f"step {manifest['step']}, epoch {manifest['epoch'] + 1}"
+    data = manifest.get("data") or []
+    if data and data[0].get("position"):
+        words += f", {data[0]['position']} samples into the epoch"
+    return words
 
 
 def _fmt(value: Any) -> str:

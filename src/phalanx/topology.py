@@ -67,6 +67,8 @@ class Topology:
     local_world_size: int = 1
     node_rank: int = 0
     restart_count: int = 0
+    # Set when torch elastic's agent hosts the store the workers meet at (MASTER_ADDR:MASTER_PORT).
+    agent_store: tuple[str, int] | None = None
     launched: bool = False  # True under torchrun / phalanx launch / phalanx.spawn
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
@@ -98,6 +100,7 @@ class Topology:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
             node_rank=int(env.get("GROUP_RANK", 0)),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            agent_store=(env["MASTER_ADDR"], int(env["MASTER_PORT"])) if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in env else None,
             launched=launched,
             device=pick_device(local_rank, force_cpu),
         )
@@ -123,6 +126,27 @@ def user_omp_threads(env: Mapping[str, str] | None = None) -> str | None:
     """OMP_NUM_THREADS as the user exported it, if they did."""
     env = os.environ if env is None else env
     return env.get("OMP_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: str
+    nnodes: int
+    node_id: int
+    nodelist: str
+
+
+def slurm_job(env: Mapping[str, str] | None = None) -> SlurmJob | None:
+    """The SLURM allocation this process runs in, if any (what `phalanx launch` uses for multi-node)."""
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" not in env:
+        return None
+    try:
+        nnodes = int(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
+        node_id = int(env.get("SLURM_NODEID", 0))
+    except ValueError:
+        return None
+    return SlurmJob(env["SLURM_JOB_ID"], nnodes, node_id, env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
 
 
 def cpu_count() -> int:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from phalanx.launch.launcher import LaunchRequest, launch
+from phalanx.metrics.profile import profile_overrides
 
 
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +17,15 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", choices=["0", "all"], help="terminal shows rank 0's output (0, default) or every rank's, prefixed [rank N] (all)")
     parser.add_argument("--run-dir", metavar="DIR", help="parent directory of the run directory (default: launch.run_dir, 'runs')")
     parser.add_argument("--verbose", action="store_true", help="also show torch elastic's own log lines")
+    parser.add_argument("--profile", metavar="steps=A:B", help="torch.profiler trace of optimizer steps A to B-1, into <run dir>/profile/ (as --set train.profile=steps=A:B)")
+    parser.add_argument("--profile-ranks", metavar="LIST", help="ranks that --profile traces, e.g. 0,1 (default 0)")
+    faults = parser.add_argument_group("faults and multi-node (docs/faults.md, docs/multinode.md)")
+    faults.add_argument("--max-restarts", type=int, metavar="N", help="restart the job up to N times after a failure, resuming from the latest checkpoint (default: launch.max_restarts, 0)")
+    faults.add_argument("--nnodes", type=int, metavar="N", help="machines in the job (default 1)")
+    faults.add_argument("--node-rank", type=int, metavar="I", help="this machine's index 0..N-1, with --master")
+    faults.add_argument("--master", metavar="HOST:PORT", help="node 0's address and a free port on it (static rendezvous, as torchrun's --master-addr/--master-port)")
+    faults.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="torch elastic c10d rendezvous endpoint; node ranks are assigned on arrival")
+    faults.add_argument("--rdzv-id", metavar="ID", help="job id every node passes with --rdzv-endpoint (default: SLURM_JOB_ID, else 'phalanx')")
 
 
 def register(commands) -> None:
@@ -36,19 +45,18 @@ def register(commands) -> None:
     demo.set_defaults(run=_run_demo)
 
 
+# Flags whose value goes to the LaunchRequest field of the same name.
+_PASSED_THROUGH = ("nproc", "gpus", "cpu", "ranks", "run_dir", "verbose", "max_restarts", "nnodes", "node_rank", "master", "rdzv_endpoint", "rdzv_id")
+
+
 def _request(args: argparse.Namespace, script: str, script_args: list[str], name: str | None = None) -> LaunchRequest:
     return LaunchRequest(
         script=script,
         script_args=script_args,
         config_file=args.config,
-        overrides=args.overrides,
-        nproc=args.nproc,
-        gpus=args.gpus,
-        cpu=args.cpu,
-        ranks=args.ranks,
-        run_dir=args.run_dir,
-        verbose=args.verbose,
+        overrides=[*args.overrides, *profile_overrides(args.profile, args.profile_ranks)],  # the flags win over --set
         name=name,
+        **{key: getattr(args, key) for key in _PASSED_THROUGH},
     )
 
 
@@ -57,8 +65,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    import phalanx.demo
+    from phalanx.demo import TRAIN_SCRIPT
 
-    script = str(Path(phalanx.demo.__file__).with_name("train.py"))
     extra = ["--epochs", str(args.epochs)] if args.epochs else []
-    return launch(_request(args, script, extra, name="demo"))
+    return launch(_request(args, TRAIN_SCRIPT, extra, name="demo"))

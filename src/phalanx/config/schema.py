@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import re
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -70,6 +71,39 @@ class TrainConfig(_Section):
     epochs: int = Field(1, gt=0, description="epochs that session.epochs() yields")
     seed: int = Field(0, description="seed for model init, shuffling and every rank's RNG (rank-offset where it must differ)")
     progress: bool = Field(True, description="rank-0 progress bar with loss and samples/s")
+    metrics: bool = Field(True, description="per-step metrics JSONL in the run dir and the end-of-run summary")
+    tensorboard: bool = Field(True, description="also write TensorBoard scalars when tensorboard is installed")
+    profile: Optional[str] = Field(None, description="torch.profiler trace of optimizer steps A to B-1, e.g. 'steps=5:8' (null: no profiling)")
+    profile_ranks: list[int] = Field(default_factory=lambda: [0], description="ranks that write a profile trace")
+
+
+class CheckpointConfig(_Section):
+    dir: str = Field("checkpoints", description="where checkpoints go (one directory per save, plus a 'latest' pointer); shared by every node")
+    save_every: Optional[Union[int, str]] = Field(None, description="save automatically every N optimizer steps (e.g. 500) or every period of time ('30m', '2h'); null: only when session.save() is called")
+    keep_last: Optional[int] = Field(3, gt=0, description="complete checkpoints to keep; older ones are deleted after each save (null: keep all)")
+    resume: str = Field("auto", description="auto: continue from the latest complete checkpoint in dir when there is one | never | the path of a checkpoint")
+
+    @field_validator("save_every")
+    @classmethod
+    def _period(cls, value):
+        if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
+            raise ValueError("save_every must be a positive number of steps or a period like '30m'")
+        if isinstance(value, str) and parse_period(value) is None:
+            raise ValueError(f"save_every '{value}' is neither a number of steps nor a period like '45s', '30m', '2h'")
+        return value
+
+
+def parse_period(text: str) -> float | None:
+    """'90s' / '30m' / '2h' (also 'min') -> seconds; a bare number is steps, not a period."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)\s*", text)
+    if not match or float(match.group(1)) <= 0:
+        return None
+    return float(match.group(1)) * {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[match.group(2)]
+
+
+class FaultsConfig(_Section):
+    hang_timeout: float = Field(300.0, ge=0, description="seconds without progress (no step, batch or collective finishing) after which every rank's stack is printed and the job stopped; 0 turns the watchdog off")
+    preempt_grace: float = Field(60.0, gt=0, description="seconds a SIGTERM'd job gets to finish its step and write a checkpoint before it is killed")
 
 
 class LaunchConfig(_Section):
@@ -77,6 +111,12 @@ class LaunchConfig(_Section):
     gpus: Optional[str] = Field(None, description="comma-separated GPU indices to use, e.g. '0,2' (null: all visible)")
     ranks: Literal["0", "all"] = Field("0", description="whose output the terminal shows: 0 (rank 0 only) or all (each line prefixed [rank N])")
     run_dir: str = Field("runs", description="where each run's directory (logs, resolved config) is created")
+    max_restarts: int = Field(0, ge=0, description="restart the whole job this many times after a failure; each restart resumes from the latest checkpoint")
+    nnodes: int = Field(1, gt=0, description="machines in the job (multi-node: also node_rank and master, or rdzv_endpoint)")
+    node_rank: Optional[int] = Field(None, ge=0, description="this machine's index, 0..nnodes-1, with master (static rendezvous)")
+    master: Optional[str] = Field(None, description="host:port of node 0, where the rendezvous store listens (static rendezvous, with node_rank)")
+    rdzv_endpoint: Optional[str] = Field(None, description="host:port of torch elastic's c10d rendezvous (dynamic: node ranks are assigned on arrival)")
+    rdzv_id: Optional[str] = Field(None, description="job id that every node passes to the c10d rendezvous (null: SLURM_JOB_ID, else 'phalanx')")
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +134,8 @@ class Config(_Section):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     # Where each leaf value came from ("default", "file <path>", "code", "--set"); filled by the loader.

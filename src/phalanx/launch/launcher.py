@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -20,12 +20,14 @@ from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
 from phalanx.config.template import write_resolved
 from phalanx.errors import PhalanxError
+from phalanx.faults import markers
 from phalanx.launch.devices import DevicePlan, plan_devices
+from phalanx.launch.outcome import report_failure, report_preemption
+from phalanx.launch.rendezvous import Rendezvous, plan_rendezvous
+from phalanx.metrics.profile import ProfileWindow
+from phalanx.metrics.report import report_run
 from phalanx.strategies import strategy_class
-from phalanx.topology import LaunchContext, cpu_count, user_omp_threads, visible_cuda_devices
-
-_LOG_TAIL_LINES = 15
-
+from phalanx.topology import LaunchContext, cpu_count, slurm_job, user_omp_threads, visible_cuda_devices
 
 @dataclass
 class LaunchRequest:
@@ -41,6 +43,12 @@ class LaunchRequest:
     verbose: bool = False
     name: str | None = None  # names the run directory (default: the script's file name)
     extra_env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,11 @@ class LaunchPlan:
     strategy: str
     run_dir: Path
     context: LaunchContext
+    rendezvous: Rendezvous
 
     def describe(self) -> str:
-        return f"phalanx: {self.devices.describe()}, strategy {self.strategy}, run dir {self.run_dir}"
+        nodes = f"; {self.rendezvous.describe()}" if self.rendezvous.multi_node else ""
+        return f"phalanx: {self.devices.describe()}, strategy {self.strategy}, run dir {self.run_dir}{nodes}"
 
 
 def prepare(request: LaunchRequest) -> LaunchPlan:
@@ -76,10 +86,21 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     exported = user_omp_threads()
     if exported is not None and exported.isdigit():
         devices = replace(devices, omp_num_threads=int(exported))  # the user's value is the one used
-    strategy_cls = strategy_class(name, devices.nproc)
-    strategy_cls.check_world(devices.nproc)
+    rendezvous = plan_rendezvous(
+        nnodes=request.nnodes if request.nnodes is not None else launch.nnodes,
+        node_rank=request.node_rank if request.node_rank is not None else launch.node_rank,
+        master=request.master or launch.master,
+        rdzv_endpoint=request.rdzv_endpoint or launch.rdzv_endpoint,
+        rdzv_id=request.rdzv_id or launch.rdzv_id,
+        slurm=slurm_job(),
+    )
+    world = devices.nproc * rendezvous.nnodes
+    strategy_cls = strategy_class(name, world)
+    strategy_cls.check_world(world)
+    if config.train.profile is not None:
+        ProfileWindow.parse(config.train.profile)
     if config.batch.global_batch_size is not None:
-        plan_batch(strategy_cls.data_parallel_size_for(devices.nproc), config.batch.global_batch_size, config.batch.micro_batch_size)
+        plan_batch(strategy_cls.data_parallel_size_for(world), config.batch.global_batch_size, config.batch.micro_batch_size)
     ranks = request.ranks if request.ranks is not None else launch.ranks
     if ranks not in ("0", "all"):
         raise PhalanxError(f"--ranks must be 0 or all, got '{ranks}'")
@@ -92,7 +113,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
         show_ranks=ranks,
         force_cpu=devices.kind == "cpu",
     )
-    return LaunchPlan(request, config, devices, strategy_cls.name, run_dir, context)
+    return LaunchPlan(request, config, devices, strategy_cls.name, run_dir, context, rendezvous)
 
 
 def launch(request: LaunchRequest) -> int:
@@ -101,7 +122,10 @@ def launch(request: LaunchRequest) -> int:
     plan.run_dir.mkdir(parents=True, exist_ok=False)
     write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
     print(plan.describe(), flush=True)
-    return run_workers(plan)
+    code = run_workers(plan)
+    if code == 0:
+        report_run(plan.run_dir)
+    return code
 
 
 def run_workers(plan: LaunchPlan) -> int:
@@ -110,21 +134,26 @@ def run_workers(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    rdzv = plan.rendezvous
+    restarts = plan.request.max_restarts if plan.request.max_restarts is not None else plan.config.launch.max_restarts
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=rdzv.nnodes,
+        max_nodes=rdzv.nnodes,
         nproc_per_node=plan.devices.nproc,
-        run_id=uuid.uuid4().hex[:12],
+        run_id=rdzv.run_id,
         role="worker",
-        # Port 0: the store picks a free port itself, so two jobs on one machine never collide.
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        rdzv_configs={"is_host": True},
-        local_addr="127.0.0.1",
-        max_restarts=0,
+        rdzv_backend=rdzv.backend,
+        rdzv_endpoint=rdzv.endpoint,
+        rdzv_configs=dict(rdzv.configs),
+        local_addr=rdzv.local_addr,
+        max_restarts=restarts,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(plan.run_dir / "elastic")),
+        # SIGTERM is phalanx's own (pre-emption, see _preemption_handler); the agent then gives the
+        # workers the grace period to checkpoint before it kills them.
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+        shutdown_timeout=int(plan.config.faults.preempt_grace) + 5,
     )
     env = {**plan.context.to_env(), "PYTHONUNBUFFERED": "1"}
     if user_omp_threads() is None:  # a value the user exported wins, as with torchrun
@@ -135,44 +164,18 @@ def run_workers(plan: LaunchPlan) -> int:
     args = ["-u", "-m", "phalanx.launch.worker", plan.request.script, *plan.request.script_args]
     started = time.perf_counter()
     try:
-        with _environ(env), _quiet_elastic(not plan.request.verbose):
+        with _environ(env), _quiet_elastic(not plan.request.verbose), _preemption_handler(plan.run_dir, plan.config.faults.preempt_grace):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as failure:
-        return _report_failure(plan, failure)
+        return report_failure(plan.run_dir, failure)
     except SignalException as sig:
+        if sig.sigval == signal.SIGTERM:
+            return report_preemption(plan.run_dir)
         print(f"phalanx: stopped by signal {sig.sigval.name}; logs in {plan.run_dir / 'logs'}", file=sys.stderr)
         return 128 + int(sig.sigval)
     if plan.request.verbose:
         print(f"phalanx: finished in {time.perf_counter() - started:.1f}s", flush=True)
     return 0
-
-
-def _report_failure(plan: LaunchPlan, failure) -> int:
-    rank, first = failure.get_first_failure()
-    message = first.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    message = str(message or "")
-    exit_code = first.exitcode if first.exitcode and first.exitcode > 0 else 1
-    for prefix in ("PhalanxError: ", "ConfigError: "):
-        if message.startswith(prefix):
-            print(f"phalanx: error: {message[len(prefix):]}", file=sys.stderr)
-            return exit_code
-    failed = sorted(failure.failures)
-    how = f"exit code {first.exitcode}" if first.exitcode >= 0 else f"signal {-first.exitcode}"
-    summary = message.splitlines()[-1] if message and not message.startswith("To enable traceback") else "no exception recorded"
-    print(f"phalanx: rank {rank} failed first ({how}): {summary}", file=sys.stderr)
-    if len(failed) > 1:
-        print(f"phalanx: ranks that exited with an error (the others may have failed because rank {rank} did): {', '.join(map(str, failed))}", file=sys.stderr)
-    log = plan.run_dir / "logs" / f"rank{rank}.log"
-    tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:] if log.is_file() else []
-    if not tail:
-        print(f"phalanx: rank {rank} wrote nothing to {log}", file=sys.stderr)
-    else:
-        print(f"phalanx: last lines of {log}:", file=sys.stderr)
-        for line in tail:
-            print(f"  | {line}", file=sys.stderr)
-    return exit_code if exit_code < 128 else 1
 
 
 def _new_run_dir(root: Path, name: str) -> Path:
@@ -198,6 +201,28 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+
+
+@contextlib.contextmanager
+def _preemption_handler(run_dir: Path, grace: float) -> Iterator[None]:
+    """SIGTERM (a scheduler pre-empting the job): leave a marker that tells the workers it is a
+    pre-emption, then let the agent pass SIGTERM on and wait ``grace`` seconds for them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    marker = run_dir / markers.PREEMPT_REQUEST
+
+    def handler(signum, frame):
+        if marker.exists():
+            return  # a second SIGTERM: the workers already have their orders
+        marker.write_text(f"{time.time()}\n", encoding="utf-8")
+        print(f"phalanx: SIGTERM: every rank checkpoints at the end of its step and stops (faults.preempt_grace {grace:g} s)", file=sys.stderr, flush=True)
+        raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import runpy  # noqa: E402
 import traceback  # noqa: E402
 
 from phalanx.errors import PhalanxError  # noqa: E402
+from phalanx.faults import markers  # noqa: E402
 from phalanx.launch.output import log_path, route_output  # noqa: E402
 
 
@@ -28,10 +29,16 @@ def main(argv: list[str]) -> int:
     context = LaunchContext.from_env() or LaunchContext()
     topology = Topology.from_env(force_cpu=context.force_cpu)
     if context.log_dir is not None:
-        show = context.show_ranks == "all" or topology.rank == 0
+        # The first rank of each node: on node 0 that is rank 0; other nodes show their own errors.
+        show = context.show_ranks == "all" or topology.local_rank == 0
         prefix = f"[rank {topology.rank}] " if context.show_ranks == "all" else ""
         route_output(log_path(context.log_dir, topology.rank, topology.restart_count), show=show, prefix=prefix)
 
+    fatal = markers.path(context.run_dir, markers.FATAL)
+    if topology.restart_count and fatal is not None and fatal.is_file():
+        # A user error ended the previous attempt; running again would only repeat it.
+        _record(PhalanxError(fatal.read_text(encoding="utf-8").strip()))
+        return 2
     sys.argv = [script, *script_args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the script gets KeyboardInterrupt as usual
@@ -47,6 +54,11 @@ def main(argv: list[str]) -> int:
     except PhalanxError as err:
         # The launcher prints this once for the whole job; here it only goes to this rank's log.
         _record(err)
+        if fatal is not None:
+            try:
+                fatal.write_text(str(err), encoding="utf-8")
+            except OSError:
+                pass
         print(f"phalanx: error: {err}", file=getattr(sys.stderr, "log", sys.stderr), flush=True)
         return err.exit_code
     except KeyboardInterrupt as err:  # Ctrl-C: the launcher says so once for the whole job
@@ -76,5 +88,20 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
+def _exit(code: int) -> None:
+    """Leave without the interpreter's final teardown. Exit handlers still run; but destroying
+    torch's C++ objects (gloo threads, stores) in an arbitrary order at finalization now and then
+    aborts a worker that had finished cleanly ("terminate called without an active exception")."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    _exit(main(sys.argv[1:]))

@@ -23,6 +23,9 @@ class Strategy:
     handles_precision: ClassVar[bool] = False
     # True when the strategy calls collectives even in a single process (DDP, ZeRO, FSDP).
     needs_process_group: ClassVar[bool] = False
+    # How checkpoints hold model and optimizer state: "plain" (full state dicts, written by rank 0)
+    # or "dcp" (each rank writes its own shards with torch.distributed.checkpoint).
+    checkpoint_layout: ClassVar[str] = "plain"
 
     def __init__(self, config: Config, topology: Topology):
         self.config = config
@@ -67,6 +70,8 @@ class Strategy:
             kwargs["device_id"] = self.topology.device
         if alone:
             kwargs["store"] = dist.HashStore()  # in memory: no launcher variables, no network port
+        elif self.topology.agent_store is not None:
+            kwargs["store"] = _attempt_store(*self.topology.agent_store, self.topology)
         dist.init_process_group(backend, rank=self.topology.rank, world_size=self.topology.world_size, **kwargs)
         self._owns_process_group = True
 
@@ -112,6 +117,14 @@ class Strategy:
         """Load what torch.distributed.checkpoint filled into ``sharded_model_state_dict``'s layout."""
         self.load_model_state_dict(model, state)
 
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """For checkpoints. Plain layout: the full state (rank 0's is written); dcp layout: this
+        rank's part keyed by parameter names, so it reshards. Called on every rank."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state this rank holds (its shard, for sharding strategies)."""
         return optimizer.state
@@ -138,6 +151,13 @@ class Strategy:
 
     def describe(self) -> str:
         return self.name
+
+
+def _attempt_store(host: str, port: int, topology: Topology) -> dist.Store:
+    """The agent's store, under a prefix per restart: torch elastic keeps one store for the whole
+    job, and after a restart the new workers would otherwise read the dead workers' addresses."""
+    store = dist.TCPStore(host, port, topology.world_size, is_master=False)
+    return dist.PrefixStore(f"phalanx/attempt{topology.restart_count}", store)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

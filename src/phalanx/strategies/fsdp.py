@@ -20,6 +20,7 @@ class FSDP(Strategy):
     name = "fsdp"
     needs_process_group = True
     handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
+    checkpoint_layout = "dcp"
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
@@ -102,6 +103,16 @@ class FSDP(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def optimizer_state_dict(self, model, optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state_dict(self, model, optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state)
 
     def describe(self) -> str:
         mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"

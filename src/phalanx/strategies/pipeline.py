@@ -24,6 +24,7 @@ from phalanx.strategies.model_parallel import refuse_shared_across, assign, plac
 class Pipeline(Strategy):
     name = "pipeline"
     needs_process_group = True
+    checkpoint_layout = "dcp"
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
@@ -175,6 +176,31 @@ class Pipeline(Strategy):
         merged = {k: v for part in parts for k, v in part.items()}
         order = [f"{name}.{key}" for name, unit in self._units for key in unit.state_dict()]
         return {k: merged[k] for k in order}
+
+    def optimizer_state_dict(self, model, optimizer) -> dict:
+        """Optimizer state under the full model's parameter names, so it reshards to another stage
+        split; the group settings (lr, betas, ...) are the same on every stage."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        local = get_optimizer_state_dict(self.stage_module, optimizer)
+        rename = self._global_name
+        return {
+            "state": {rename(k): v for k, v in local["state"].items()},
+            "groups": [{k: v for k, v in group.items() if k != "params"} for group in local["param_groups"]],
+        }
+
+    def load_optimizer_state_dict(self, model, optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        local = get_optimizer_state_dict(self.stage_module, optimizer)
+        groups = [{**loaded, "params": group["params"]} for group, loaded in zip(local["param_groups"], state["groups"])]
+        own = {rename: k for k in local["state"] for rename in [self._global_name(k)]}
+        set_optimizer_state_dict(self.stage_module, optimizer, {"state": {own[k]: v for k, v in state["state"].items() if k in own}, "param_groups": groups})
+
+    def _global_name(self, local: str) -> str:
+        # The stage module is nn.Sequential(*own units): its child i is the i-th own unit.
+        index, _, rest = local.partition(".")
+        return f"{self._own_units()[int(index)][0]}.{rest}"
 
     def describe(self) -> str:
         opts = self.config.strategy.pipeline

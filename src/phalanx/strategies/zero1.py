@@ -21,6 +21,11 @@ class Zero1(DDP):
         # user's optimizer keeps steering the learning rate of the sharded one.
         return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer), **rebuild_arguments(optimizer))
 
+    def optimizer_state_dict(self, model, optimizer) -> dict:
+        # A collective: every rank sends its shard to rank 0, the one that writes plain checkpoints.
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if self.topology.rank == 0 else {}
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         local = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's optimizer of this rank's shard
         return local.state if local is not None else optimizer.state

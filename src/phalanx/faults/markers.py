@@ -1,0 +1,21 @@
+"""Files in the run directory through which the launcher and the workers tell each other why a
+job is stopping (a signal number alone cannot say whether SIGTERM means pre-emption or "a peer
+died, stop now")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PREEMPT_REQUEST = "preempt-requested"  # the launcher got SIGTERM: ranks should checkpoint and stop
+PREEMPTED = "preempted.json"  # rank 0 saved after a pre-emption request: where and at which step
+HANG_DIR = "hang"  # one file per rank that dumped its stack because the job hung
+FATAL = "fatal.txt"  # a user error: restarting cannot help, so restarts re-report it at once
+
+# Exit codes the launcher and docs/faults.md name.
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: a checkpoint was written, launch again to resume
+HANG_EXIT = 124  # the watchdog stopped a hung job (as timeout(1) does)
+TERMINATED_EXIT = 143  # 128 + SIGTERM: stopped without a checkpoint
+
+
+def path(run_dir: str | Path | None, name: str) -> Path | None:
+    return Path(run_dir) / name if run_dir else None
