@@ -549,7 +549,9 @@ class Session:
             return
         if spec == "auto" or restart:
             # After a restart, resume.never still means "not from an earlier launch".
-            path = self._latest_checkpoint(this_run=spec == "never")
+            path = self._latest_checkpoint(this_run=spec != "auto")
+            if path is None and spec not in ("auto", "never"):
+                path = Path(spec)  # restarted before this launch saved: back to the given checkpoint
             if path is None:
                 if restart:
                     self.print(f"phalanx: restart {restart}: no checkpoint in '{self._checkpoint_root()}' yet; starting from the beginning")
@@ -564,7 +566,7 @@ class Session:
     def _start_faults(self) -> None:
         faults, run_dir = self.config.faults, self.context.run_dir if self.context else None
         launched = self.topology.launched
-        self._watchdog = Watchdog(faults.hang_timeout, self.rank, run_dir) if launched and faults.hang_timeout > 0 else None
+        self._watchdog = Watchdog(faults.hang_timeout, self.rank, run_dir, self.topology.restart_count) if launched and faults.hang_timeout > 0 else None
         self._term = TermWatch(run_dir, faults.preempt_grace, self.rank) if launched else None
         every = self.config.checkpoint.save_every
         period = parse_period(every) if isinstance(every, str) else None
@@ -586,7 +588,7 @@ class Session:
     def _stop_for_preemption(self) -> None:
         path = self.save()
         record = markers.path(self.context.run_dir if self.context else None, markers.PREEMPTED)
-        if self.is_main and record is not None:
+        if self.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
             checkpoint_files.write_json_atomic(record, {"step": self.step_count, "checkpoint": str(path.resolve())})
         if record is None:  # under phalanx launch, the launcher says it once for the job
             self.print(f"phalanx: pre-empted: checkpoint {path} written at step {self.step_count}; launch again to resume")

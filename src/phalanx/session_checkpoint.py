@@ -153,7 +153,17 @@ def _load_dcp(session: "Session", directory: Path, weights_only: bool) -> None:
     state = _dcp_state(session)
     if weights_only:
         state = {k: v for k, v in state.items() if k.startswith("model")}
-    dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafeLoadPlanner())
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    SafeReader(str(directory)).read_metadata()  # a bad file fails here, before torch logs its fallbacks
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafeLoadPlanner())
+    except CheckpointException as err:
+        # torch wraps each rank's exception (phalanx's own say what is wrong with the files).
+        inner = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        first = next((e for e in inner if isinstance(e, PhalanxError)), inner[0] if inner else err)
+        text = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
+        raise PhalanxError(text if isinstance(first, PhalanxError) else f"cannot read the sharded checkpoint '{directory}': {text}") from None
     for i, model in enumerate(session._models):
         strategy.load_sharded_model_state_dict(model, state[f"model{i}"])
     if not weights_only:

@@ -29,10 +29,11 @@ _LIBRARY = (os.sep + "torch" + os.sep, os.sep + "phalanx" + os.sep, "threading.p
 
 
 class Watchdog:
-    def __init__(self, timeout: float, rank: int, run_dir: str | None, *, exit: Callable[[int], None] = os._exit):
+    def __init__(self, timeout: float, rank: int, run_dir: str | None, attempt: int = 0, *, exit: Callable[[int], None] = os._exit):
         self.timeout = timeout
         self.rank = rank
-        self.dump_dir = Path(run_dir) / HANG_DIR if run_dir else None
+        # One directory per restart attempt: a restarted job must not see the last attempt's dumps.
+        self.dump_dir = Path(run_dir) / HANG_DIR / f"attempt{attempt}" if run_dir else None
         self._exit = exit
         self._last: float | None = None  # armed by the first beat: setup may take long
         self._paused = 0

@@ -94,6 +94,8 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
         rdzv_id=request.rdzv_id or launch.rdzv_id,
         slurm=slurm_job(),
     )
+    if request.max_restarts is not None and request.max_restarts < 0:
+        raise PhalanxError(f"--max-restarts must be 0 or more, got {request.max_restarts}")
     world = devices.nproc * rendezvous.nnodes
     strategy_cls = strategy_class(name, world)
     strategy_cls.check_world(world)

@@ -45,7 +45,9 @@ def report_failure(run_dir: Path, failure) -> int:
 
 def report_hang(run_dir: Path) -> int:
     """Every rank's stack dump, shortened to where it waits (full dumps in the run directory)."""
-    dumps = sorted((run_dir / markers.HANG_DIR).glob("rank*.txt"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
+    attempts = sorted((run_dir / markers.HANG_DIR).glob("attempt*"), key=lambda p: int(p.name[7:] or 0))
+    hang_dir = attempts[-1] if attempts else run_dir / markers.HANG_DIR
+    dumps = sorted(hang_dir.glob("rank*.txt"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
     _err(f"phalanx: hang: the watchdog stopped the job (faults.hang_timeout); where each rank was ({len(dumps)} dumped):")
     for dump in dumps:
         lines = dump.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -53,7 +55,7 @@ def report_hang(run_dir: Path) -> int:
         stack = [line for line in lines[2:] if line.strip()]
         for line in stack[-_STACK_LINES:]:
             _err(f"    | {line}")
-    _err(f"phalanx: full stacks in {run_dir / markers.HANG_DIR}; see docs/faults.md for what to look for")
+    _err(f"phalanx: full stacks in {hang_dir}; see docs/faults.md for what to look for")
     return markers.HANG_EXIT
 
 
@@ -63,7 +65,7 @@ def report_preemption(run_dir: Path) -> int:
         saved = json.loads(record.read_text(encoding="utf-8"))
         _err(f"phalanx: pre-empted: checkpoint {saved['checkpoint']} (step {saved['step']}); run the same command again to resume")
         return markers.PREEMPTED_EXIT
-    _err(f"phalanx: stopped by SIGTERM before a checkpoint was written (training had not reached a step end within faults.preempt_grace); logs in {run_dir / 'logs'}")
+    _err(f"phalanx: stopped by SIGTERM before a checkpoint was written (no rank reached the end of a training step in time); logs in {run_dir / 'logs'}")
     return markers.TERMINATED_EXIT
 
 
