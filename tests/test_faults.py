@@ -197,7 +197,7 @@ def test_hang_is_detected_and_every_rank_stack_printed(tmp_path):
     assert "rank 0:" in err and "collective barrier" in err
     assert "rank 1:" in err and f"<module> at {script}:9" in err
     (run_dir,) = (tmp_path / "runs").iterdir()
-    assert sorted(p.name for p in (run_dir / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert sorted(p.name for p in (run_dir / "hang" / "attempt0").iterdir()) == ["rank0.txt", "rank1.txt"]
 
 
 def test_user_error_is_not_retried(tmp_path):
