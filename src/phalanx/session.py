@@ -34,20 +34,14 @@ from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.loader import load_config, override_config
 from phalanx.config.template import write_resolved
 from phalanx.config.schema import Config
-from phalanx import session_checkpoint
-from phalanx.checkpoint import files as checkpoint_files
-from phalanx.config.schema import parse_period
 from phalanx.data import DeviceLoader, is_training_loader, shard_loader
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.faults import markers
-from phalanx.faults.control import StepAgreement
-from phalanx.faults.preempt import TermWatch
-from phalanx.faults.watchdog import Watchdog
 from phalanx.lr import LRScaling
 from phalanx.metrics.recorder import create_recorder
 from phalanx.precision import Precision
 from phalanx.progress import Throughput, track
 from phalanx.recompute import apply_activation_checkpointing
+from phalanx.recovery import Recovery
 from phalanx.strategies import create_strategy
 from phalanx.topology import LaunchContext, Topology
 
@@ -95,9 +89,7 @@ class Session:
         self._active_loader: DeviceLoader | None = None
         self._closed = False
         self._set_up = False
-        self._resume_checked = False
-        self._pending_rng: dict | None = None  # restored when the next training pass starts
-        self._start_faults()
+        self.recovery = Recovery(self, self._comm_device())
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
 
@@ -193,8 +185,8 @@ class Session:
         wrapped.on_batch = self._on_batch
         wrapped.on_wait = self.metrics.add_wait if train else None
         if train:
-            wrapped.on_start = lambda _: self._ensure_resumed()
-            wrapped.on_iterating = lambda _: self._restore_rng()
+            wrapped.on_start = lambda _: self.recovery.ensure_resumed()
+            wrapped.on_iterating = lambda _: self.recovery.restore_rng()
         self._loaders.append(wrapped)
         return wrapped
 
@@ -264,7 +256,7 @@ class Session:
     def epochs(self, epochs: int | None = None) -> Iterator[int]:
         """Yield epoch numbers, reshuffling every training loader (``set_epoch``) for each."""
         total = self.config.train.epochs if epochs is None else epochs
-        self._ensure_resumed()
+        self.recovery.ensure_resumed()
         for epoch in range(self.epoch, total):
             self.epoch = epoch
             for loader in self._loaders:
@@ -302,9 +294,9 @@ class Session:
     def accumulate(self, model: nn.Module) -> Iterator[None]:
         """One micro-step: gradients are synchronised and the optimizer stepped only on the last
         micro-step of each global batch."""
-        if not self._resume_checked:
-            self._ensure_resumed()
-        self._beat()
+        if not self.recovery.resume_checked:
+            self.recovery.ensure_resumed()
+        self.recovery.beat()
         self._micro += 1
         self.sync_gradients = self._micro >= self.accumulation_steps
         self._in_accumulate = True
@@ -381,7 +373,7 @@ class Session:
             self._in_step = False
             self._micro = 0
             self._unscaled = False
-        self._after_step()
+        self.recovery.after_step()
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
@@ -402,7 +394,7 @@ class Session:
     # -- across processes ---------------------------------------------------------------------
     def _on_batch(self, loader: DeviceLoader) -> None:
         self._active_loader = loader
-        self._beat()
+        self.recovery.beat()
 
     def reduce(self, value: Any, op: str = "mean") -> Any:
         """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min."""
@@ -440,7 +432,7 @@ class Session:
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
-        self._beat()
+        self.recovery.beat()
 
     def _comm_device(self) -> torch.device:
         return self.device if self.topology.backend == "nccl" else torch.device("cpu")
@@ -474,125 +466,15 @@ class Session:
     def save(self) -> Path:
         """Write a full checkpoint (models, optimizers, schedulers, scaler, counters, data position,
         every rank's RNG) into ``checkpoint.dir``, atomically; every rank must call it. Returns its directory."""
-        if self._micro:
-            raise PhalanxError("session.save() was called inside an accumulation window; call it after the `with session.accumulate(model):` block")
-        if not self._models:
-            raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
-        self._resume_checked = True  # a run that saved has started; never resume over it later
-        if self._watchdog:
-            self._watchdog.pause()
-        try:
-            path = session_checkpoint.save(self, self._checkpoint_root())
-        finally:
-            if self._watchdog:
-                self._watchdog.resume()
-        self._agreement.saved()
-        self.print(f"phalanx: saved checkpoint {path} (step {self.step_count})")
-        return path
+        return self.recovery.save()
 
     def load(self, path: str | Path | None = None, *, weights_only: bool = False) -> Path:
         """Restore from checkpoint ``path`` (default: the latest in ``checkpoint.dir``); every rank
         must call it, after setup(). ``weights_only``: only the models' weights (e.g. to fine-tune)."""
-        if not self._models:
-            raise PhalanxError("session.load() needs the model set up first: call session.setup(model, optimizer, ...) before it")
-        if path is None:
-            path = self._latest_checkpoint()
-            if path is None:
-                raise PhalanxError(f"no checkpoint in '{self._checkpoint_root()}' to load; pass a path, or save one first")
-        self._resume_checked = True
-        if self._watchdog:
-            self._watchdog.pause()
-        try:
-            manifest = session_checkpoint.load(self, Path(path), weights_only=weights_only)
-        finally:
-            if self._watchdog:
-                self._watchdog.resume()
-        where = Path(manifest["path"])
-        if weights_only:
-            self.print(f"phalanx: loaded the weights of {where}")
-        else:
-            self.print(f"phalanx: resumed from {where}: {_position_words(manifest)}")
-        return where
-
-    def _checkpoint_root(self) -> Path:
-        return Path(self.config.checkpoint.dir)
-
-    def _latest_checkpoint(self, *, this_run: bool = False) -> Path | None:
-        """The newest complete checkpoint (``this_run``: only one this launch wrote)."""
-        found = checkpoint_files.latest(self._checkpoint_root()) if self.is_main else None
-        if found is not None and this_run:
-            run_dir = self.context.run_dir if self.context else None
-            if run_dir is None or checkpoint_files.read_manifest(found).get("run_dir") != run_dir:
-                found = None
-        if self.world_size > 1 and dist.is_initialized():
-            box = [found]
-            dist.broadcast_object_list(box, src=0)  # rank 0 decides, so no rank sees a different 'latest'
-            found = box[0]
-        return found
-
-    def _restore_rng(self) -> None:
-        if self._pending_rng is not None:
-            state, self._pending_rng = self._pending_rng, None
-            session_checkpoint.rng.restore(state, self.device)
+        return self.recovery.load(path, weights_only)
 
     def _train_loaders(self) -> list[DeviceLoader]:
         return [loader for loader in self._loaders if loader.train]
-
-    def _ensure_resumed(self) -> None:
-        """Before training starts: continue from a checkpoint when checkpoint.resume says so (and
-        always after torch elastic restarted the job)."""
-        if self._resume_checked or not self._models:
-            return
-        self._resume_checked = True
-        spec, restart = self.config.checkpoint.resume, self.topology.restart_count
-        if spec == "never" and not restart:
-            return
-        if spec == "auto" or restart:
-            # After a restart, resume.never still means "not from an earlier launch".
-            path = self._latest_checkpoint(this_run=spec != "auto")
-            if path is None and spec not in ("auto", "never"):
-                path = Path(spec)  # restarted before this launch saved: back to the given checkpoint
-            if path is None:
-                if restart:
-                    self.print(f"phalanx: restart {restart}: no checkpoint in '{self._checkpoint_root()}' yet; starting from the beginning")
-                return
-        else:
-            path = Path(spec)
-        if restart:
-            self.print(f"phalanx: restart {restart} after a failure")
-        self.load(path)
-
-    # -- faults -------------------------------------------------------------------------------
-    def _start_faults(self) -> None:
-        faults, run_dir = self.config.faults, self.context.run_dir if self.context else None
-        launched = self.topology.launched
-        self._watchdog = Watchdog(faults.hang_timeout, self.rank, run_dir, self.topology.restart_count) if launched and faults.hang_timeout > 0 else None
-        self._term = TermWatch(run_dir, faults.preempt_grace, self.rank) if launched else None
-        every = self.config.checkpoint.save_every
-        period = parse_period(every) if isinstance(every, str) else None
-        self._agreement = StepAgreement(self.world_size, self._comm_device(), period)
-
-    def _beat(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.beat()
-
-    def _after_step(self) -> None:
-        self._beat()
-        every = self.config.checkpoint.save_every
-        stop, timed = self._agreement.poll(self.step_count, bool(self._term and self._term.requested))
-        if stop:
-            self._stop_for_preemption()
-        if timed or (isinstance(every, int) and self.step_count % every == 0):
-            self.save()
-
-    def _stop_for_preemption(self) -> None:
-        path = self.save()
-        record = markers.path(self.context.run_dir if self.context else None, markers.PREEMPTED)
-        if self.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
-            checkpoint_files.write_json_atomic(record, {"step": self.step_count, "checkpoint": str(path.resolve())})
-        if record is None:  # under phalanx launch, the launcher says it once for the job
-            self.print(f"phalanx: pre-empted: checkpoint {path} written at step {self.step_count}; launch again to resume")
-        raise SystemExit(markers.PREEMPTED_EXIT)
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self, *, sync: bool = True) -> None:
@@ -600,10 +482,7 @@ class Session:
         if not self._closed:
             self._closed = True
             self.metrics.close()
-            if self._watchdog is not None:
-                self._watchdog.close()
-            if self._term is not None:
-                self._term.close()
+            self.recovery.close()
             self.strategy.teardown(sync=sync)
 
     def __enter__(self) -> "Session":
@@ -624,14 +503,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _position_words(manifest: dict) -> str:
-    words = f"step {manifest['step']}, epoch {manifest['epoch'] + 1}"
-    data = manifest.get("data") or []
-    if data and data[0].get("position"):
-        words += f", {data[0]['position']} samples into the epoch"
-    return words
 
 
 def _fmt(value: Any) -> str:

@@ -101,9 +101,9 @@ def load(session: "Session", path: Path, *, weights_only: bool = False) -> dict[
         _restore_trainer(session, load_file(directory / TRAINER))
         saved = load_file(directory / RNG)
         if saved["world_size"] == session.world_size:
-            session._pending_rng = saved["ranks"][session.rank]
+            session.recovery.pending_rng = saved["ranks"][session.rank]
             if not session._train_loaders():
-                session._restore_rng()  # no training pass to wait for
+                session.recovery.restore_rng()  # no training pass to wait for
         else:
             session.print(
                 f"phalanx: the checkpoint was written by {saved['world_size']} processes, this run has {session.world_size}: "

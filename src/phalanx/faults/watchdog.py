@@ -9,6 +9,7 @@ within a second and dump their own stacks too, so the user sees every rank, not 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -16,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 from types import FrameType
-from typing import Callable
+from typing import Callable, Iterator
 
 from phalanx.faults.markers import HANG_DIR, HANG_EXIT
 
@@ -54,6 +55,14 @@ class Watchdog:
     def resume(self) -> None:
         self._paused = max(0, self._paused - 1)
         self.beat()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def close(self) -> None:
         self._stop.set()
