@@ -23,7 +23,6 @@ from torch import nn
 
 import phalanx
 from phalanx.checkpoint import files, rng
-from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader, load_file
 from phalanx.errors import PhalanxError
 
 if TYPE_CHECKING:
@@ -76,6 +75,9 @@ def save(session: "Session", root: Path) -> Path:
 def load(session: "Session", path: Path, *, weights_only: bool = False) -> dict[str, Any]:
     """Restore ``session`` from checkpoint ``path`` (a collective). ``weights_only``: the models'
     weights and nothing else (a fine-tuning start). Returns the manifest."""
+    # Imported here: torch.distributed.checkpoint takes a second to import, and most runs never load.
+    from phalanx.checkpoint.safe import load_file
+
     manifest = _agreed_manifest(session, path)
     directory = Path(manifest["path"])
     strategy = session.strategy
@@ -154,6 +156,8 @@ def _load_dcp(session: "Session", directory: Path, weights_only: bool) -> None:
     if weights_only:
         state = {k: v for k, v in state.items() if k.startswith("model")}
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader
 
     SafeReader(str(directory)).read_metadata()  # a bad file fails here, before torch logs its fallbacks
     try:
