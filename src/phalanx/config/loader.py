@@ -109,6 +109,8 @@ def describe_validation_error(err: ValidationError, sources: Mapping[str, str]) 
         known = _known_keys(section)
         where = f"in '{section}'" if section else "at the top level"
         return f"unknown setting '{path}'{suffix}; known settings {where}: {', '.join(known)}"
+    if not path:  # a rule across sections: its message names the settings itself
+        return str(first["msg"]).removeprefix("Value error, ")
     value = first.get("input")
     return f"invalid value {value!r} for '{path}'{suffix}: {first['msg']}"
 

@@ -18,6 +18,10 @@ class DDPConfig(_Section):
     static_graph: bool = Field(False, description="the set of used parameters never changes between steps (enables DDP's graph optimisations)")
     find_unused_parameters: bool = Field(False, description="tolerate parameters that get no gradient in some steps (costs a graph traversal per step)")
     broadcast_buffers: bool = Field(True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field("none", description="gradient compression for the all-reduce: none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)")
+    powersgd_rank: int = Field(1, gt=0, description="powersgd: rank of the low-rank approximation (higher: more accurate, more traffic)")
+    powersgd_start_step: int = Field(10, ge=2, description="powersgd: optimizer steps of uncompressed all-reduce before compression starts")
+    powersgd_warm_start: bool = Field(True, description="powersgd: reuse the last step's low-rank factors (cheaper, usually as accurate)")
 
 
 class FSDPConfig(_Section):
@@ -151,6 +155,13 @@ class Config(_Section):
         from phalanx.config.loader import load_config
 
         return load_config(path, overrides=overrides, sections=sections)
+
+    @model_validator(mode="after")
+    def _hook_needs_ddp(self):
+        hook, name = self.strategy.ddp.comm_hook, self.strategy.name
+        if hook != "none" and name not in ("auto", "ddp", "zero1"):
+            raise ValueError(f"strategy.ddp.comm_hook={hook} compresses DDP's gradient all-reduce, which strategy {name} does not use; use strategy ddp or zero1, or set comm_hook none")
+        return self
 
     def flat(self) -> dict[str, object]:
         """Leaf values keyed by dotted path, e.g. ``{"precision.mode": "bf16", ...}``."""
