@@ -64,7 +64,7 @@ def save(session: "Session", root: Path) -> Path:
     described: dict[str, Any] = {}
     for part in _gather_all(session, mine):
         described.update(part or {})
-    final = files.staging_path(root, step).with_name(files.step_name(step))
+    final = root / files.step_name(step)
     if topo.is_main:
         final = files.commit(staging, _manifest(session, shapes, sizes, described))
         files.prune(root, session.config.checkpoint.keep_last)
@@ -119,7 +119,7 @@ def _trainer_state(session: "Session") -> dict[str, Any]:
     return {
         "step": session.step_count,
         "epoch": session.epoch,
-        "data": [{"epoch": loader.epoch, "position": loader.position} for loader in session._train_loaders()],
+        "data": _positions(session),
         "schedulers": [sched.state_dict() for sched, _ in session._schedulers],
         "precision": session.precision.state_dict(),
     }
@@ -215,9 +215,9 @@ def _manifest(session: "Session", shapes: list[dict[str, list[int]]], sizes: lis
         "data_parallel_size": session.strategy.data_parallel_size,
         "global_batch_size": batch.global_batch_size if batch else None,
         "precision": session.precision.mode,
-        "data": [{"epoch": loader.epoch, "position": loader.position} for loader in session._train_loaders()],
+        "data": _positions(session),
         "models": [{"parameters": n, "shapes": s} for n, s in zip(sizes, shapes)],
-        "optimizers": [type(o).__name__ if not hasattr(o, "optim") else type(o.optim).__name__ for o in session._optimizers],
+        "optimizers": _optimizer_names(session),
         "files": described,
     }
 
@@ -270,12 +270,21 @@ def shape_mismatch(saved: dict[str, list[int]], current: dict[str, list[int]]) -
 def _check_optimizers(session: "Session", manifest: dict[str, Any], directory: Path, weights_only: bool) -> None:
     if weights_only:
         return
-    here = [type(o).__name__ if not hasattr(o, "optim") else type(o.optim).__name__ for o in session._optimizers]
+    here = _optimizer_names(session)
     if manifest["optimizers"] != here:
         raise PhalanxError(
             f"checkpoint '{directory}' holds optimizer(s) {manifest['optimizers'] or 'none'}, this run set up {here or 'none'}; "
             "set up the same optimizers, or load only the weights: session.load(path, weights_only=True)"
         )
+
+
+def _positions(session: "Session") -> list[dict[str, Any]]:
+    return [{"epoch": loader.epoch, "position": loader.position} for loader in session._train_loaders()]
+
+
+def _optimizer_names(session: "Session") -> list[str]:
+    # ZeroRedundancyOptimizer wraps the user's class: the inner one is what must match.
+    return [type(getattr(o, "optim", o)).__name__ for o in session._optimizers]
 
 
 def _few(items: list[str], n: int = 3) -> str:

@@ -25,7 +25,7 @@ from phalanx.bench.figures import RunFigures, Scaling, read_metrics, run_figures
 from phalanx.bench.reading import reading
 from phalanx.bench.report import bench_json, machine_facts, machine_label
 from phalanx.errors import PhalanxError
-from phalanx.launch.launcher import LaunchPlan, LaunchRequest, _new_run_dir, prepare
+from phalanx.launch.launcher import LaunchPlan, LaunchRequest, new_run_dir, prepare
 from phalanx.topology import cpu_count, user_omp_threads
 
 _POLL_S = 0.25
@@ -103,7 +103,7 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     for n in counts:  # every count is checked before any process starts
         prepare(_request(options, script, script_args, n, _weak_scaling(configured_batch, n)))
 
-    directory = _new_run_dir(Path(options.run_dir or base.config.launch.run_dir).resolve(), "bench")
+    directory = new_run_dir(Path(options.run_dir or base.config.launch.run_dir).resolve(), "bench")
     directory.mkdir(parents=True)
     device = base.devices.kind
     unit, units = ("process", "processes") if device == "cpu" else ("device", "devices")

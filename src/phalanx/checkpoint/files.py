@@ -149,13 +149,10 @@ def prune(root: Path, keep_last: int | None) -> list[Path]:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of checkpoint ``path``; a missing or unreadable one is a clear error."""
+    """The manifest of checkpoint directory ``path`` (see :func:`resolve` for what users may type);
+    a missing or unreadable one is a clear error."""
     if not path.exists():
         raise PhalanxError(f"checkpoint '{path}' not found; give a checkpoint directory (e.g. checkpoints/step-00000120) or checkpoints/latest")
-    if path.is_file() and path.name == LATEST:
-        return read_manifest(path.parent / path.read_text(encoding="utf-8").strip())
-    if path.is_dir() and not (path / MANIFEST).is_file() and (path / LATEST).is_file():
-        return read_manifest(path / LATEST)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         if path.name.startswith(_STAGING_PREFIX):

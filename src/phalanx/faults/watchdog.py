@@ -47,22 +47,16 @@ class Watchdog:
     def beat(self) -> None:
         self._last = time.monotonic()
 
-    def pause(self) -> None:
-        """Saving and loading take as long as the disk takes: allow IO_TIMEOUT_S until resume()."""
-        self._paused += 1
-        self.beat()
-
-    def resume(self) -> None:
-        self._paused = max(0, self._paused - 1)
-        self.beat()
-
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        self.pause()
+        """Saving and loading take as long as the disk takes: allow IO_TIMEOUT_S inside."""
+        self._paused += 1
+        self.beat()
         try:
             yield
         finally:
-            self.resume()
+            self._paused -= 1
+            self.beat()
 
     def close(self) -> None:
         self._stop.set()

@@ -107,7 +107,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     if ranks not in ("0", "all"):
         raise PhalanxError(f"--ranks must be 0 or all, got '{ranks}'")
     # Absolute, so a script that changes directory still writes into its run directory.
-    run_dir = _new_run_dir(Path(request.run_dir or launch.run_dir).resolve(), request.name or Path(request.script).stem)
+    run_dir = new_run_dir(Path(request.run_dir or launch.run_dir).resolve(), request.name or Path(request.script).stem)
     context = LaunchContext(
         config_file=str(Path(request.config_file).resolve()) if request.config_file else None,
         overrides=tuple(request.overrides),
@@ -180,7 +180,7 @@ def run_workers(plan: LaunchPlan) -> int:
     return 0
 
 
-def _new_run_dir(root: Path, name: str) -> Path:
+def new_run_dir(root: Path, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     candidate = root / f"{stamp}-{name}"
     n = 1
