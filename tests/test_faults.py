@@ -200,6 +200,28 @@ def test_hang_is_detected_and_every_rank_stack_printed(tmp_path):
     assert sorted(p.name for p in (run_dir / "hang" / "attempt0").iterdir()) == ["rank0.txt", "rank1.txt"]
 
 
+def test_error_file_is_never_seen_half_written(tmp_path, monkeypatch):
+    # The agent SIGTERMs the other ranks as soon as one fails and then parses every error file; a
+    # rank killed while writing it must leave either no file or a whole one (an empty one crashed
+    # the launcher with a JSONDecodeError).
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    handler = signal.getsignal(signal.SIGINT)
+    from phalanx.launch import worker  # sets its own SIGINT handler on import
+
+    signal.signal(signal.SIGINT, handler)
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise ValueError("bad batch size")
+    except ValueError as err:
+        worker._record(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))
+    assert failure.message["message"] == "ValueError: bad batch size"
+    assert "raise ValueError" in failure.error_file_data["message"]["extraInfo"]["py_callstack"]
+
+
 def test_user_error_is_not_retried(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text("import phalanx\nphalanx.Session(batch={'global_batch_size': 15})\n")

@@ -14,7 +14,9 @@ import sys
 # user's script runs, an interrupt just ends this process (the launcher reports the signal).
 signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
+import json  # noqa: E402
 import runpy  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 
 from phalanx.errors import PhalanxError  # noqa: E402
@@ -75,10 +77,31 @@ def main(argv: list[str]) -> int:
 
 
 def _record(err: BaseException) -> None:
-    """Write torch elastic's error file, which the agent turns into the launcher's failure summary."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    """Write torch elastic's error file, which the agent turns into the launcher's failure summary.
 
-    ErrorHandler().record_exception(err)  # a no-op outside torch elastic
+    Written to a temporary name and renamed: when one rank fails the agent SIGTERMs the others at
+    once and then parses their error files, so a peer killed in the middle of torch's own
+    (truncate-then-write) ``record_exception`` left an empty file that crashed the launcher.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:  # not under torch elastic
+        return
+    data = {
+        "message": {
+            "message": f"{type(err).__name__}: {err}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(err)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    staging = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(staging, "w", encoding="utf-8") as fp:
+            json.dump(data, fp)
+        os.replace(staging, path)
+    except OSError:
+        pass  # the launcher then reports the exit code and the log instead
 
 
 def _teardown() -> None:
