@@ -96,7 +96,7 @@ def test_invalid_values_name_the_field(overrides, message):
 
 
 def test_unknown_section_lists_sections():
-    with pytest.raises(ConfigError, match="unknown setting 'bogus'.*known settings at the top level: strategy, batch"):
+    with pytest.raises(ConfigError, match="unknown setting 'bogus'.*known settings at the top level: preset, strategy, batch"):
         load(sections={"bogus": {"a": 1}})
 
 

@@ -32,12 +32,15 @@ from torch.utils.data import DataLoader
 
 from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.loader import load_config, override_config
+from phalanx.config.preset import fit_to_device
 from phalanx.config.template import write_resolved
 from phalanx.config.schema import Config
 from phalanx.data import DeviceLoader, is_training_loader, shard_loader
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.lr import LRScaling
+from phalanx.memory_cap import MemoryCap
 from phalanx.metrics.recorder import create_recorder
+from phalanx.compute import Compute
 from phalanx.precision import Precision
 from phalanx.progress import Throughput, track
 from phalanx.recompute import apply_activation_checkpointing
@@ -55,10 +58,10 @@ class Session:
         self.context = LaunchContext.from_env()
         if config is None:
             config = load_config(sections=sections, context=self.context)
-        elif sections or (self.context and self.context.overrides):
-            config = override_config(config, sections, self.context)
-        self.config = config
+        elif sections or (self.context and self.context.overrides) or config.preset != "none":
+            config = override_config(config, sections, self.context)  # (a preset is resolved there too)
         self.topology = Topology.from_env()
+        self.config = config = fit_to_device(config, self.topology.device)
         if self.context and self.context.run_dir and self.topology.is_main:
             # The launcher wrote what it knew; this is what the run really uses (code settings too).
             write_resolved(config, f"{self.context.run_dir}/config.yaml")
@@ -66,7 +69,11 @@ class Session:
         self.strategy = create_strategy(config, self.topology)
         self.strategy.setup_environment()
         self.precision = Precision(config.precision, self.topology.device)
+        self.compute = Compute(config.compute)
         self.metrics = create_recorder(config, self.topology, self.context and self.context.run_dir, self.strategy.name)
+        self.memory_cap = MemoryCap.create(config.train.memory_cap, self.topology.device)
+        if self.memory_cap is not None and self.device.type != "cuda":
+            self.metrics.cpu_peak = self.memory_cap.used_bytes  # CUDA records the allocator's peak itself
 
         self.batch: BatchPlan | None = None
         if config.batch.global_batch_size or config.batch.micro_batch_size:
@@ -140,6 +147,8 @@ class Session:
             _seed_everything(self.config.train.seed + self.rank)
             self._announce()
             self._set_up = True
+        if self.memory_cap is not None and self.step_count == 0:
+            self.memory_cap.start()  # what training adds counts, not what the script loaded before
         return out[0] if len(out) == 1 else tuple(out)
 
     def _setup_one(self, obj: Any) -> Any:
@@ -178,9 +187,8 @@ class Session:
             multiple_of=multiple_of,
             seed=self.config.train.seed,
             device=self.device,
-            num_workers=self.config.data.num_workers,
-            pin_memory=self.config.data.pin_memory,
-            drop_last=self.config.data.drop_last,
+            options=self.config.data,
+            procs_per_node=self.topology.local_world_size,
         )
         wrapped.on_batch = self._on_batch
         wrapped.on_wait = self.metrics.add_wait if train else None
@@ -206,17 +214,20 @@ class Session:
         )
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
+        model, compiled = self.compute.take_compiled_apart(model)
         model = self.strategy.place(model)
+        self.compute.before_wrap(model)
         apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
         wrapped = self.strategy.wrap_model(model)
         if self.precision.mode != "fp32":
             wrapped.forward = self.precision.wrap_forward(wrapped.forward, autocast=not self.strategy.handles_precision)
+        wrapped = self.compute.after_wrap(wrapped, compile_anyway=compiled)
         self._models.append(wrapped)
         self.metrics.watch_model(wrapped, self.strategy.unwrap(wrapped))
         return wrapped
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        optimizer = self.strategy.wrap_optimizer(optimizer)
+        optimizer = self.compute.setup_optimizer(optimizer, self.strategy.wrap_optimizer)
         optimizer.register_step_pre_hook(self._guard_step)
         user_zero_grad = optimizer.zero_grad
 
@@ -246,11 +257,18 @@ class Session:
         if not self.is_main:
             return
         parts = [self.strategy.describe(), f"device {self.device.type}", f"precision {self.precision.mode}"]
+        if self._models:
+            parts.append(_model_size(self._models))
         if self.batch:
             parts.append(self.batch.describe())
         if self.lr_scaling:
             parts.append(self.lr_scaling.describe())
+        parts.extend(self.compute.describe())
+        if self.config.preset != "none":
+            parts.append(f"preset {self.config.preset}")
         print("phalanx: " + " | ".join(parts), flush=True)
+        for note in self.compute.notes:
+            print(note, flush=True)
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, epochs: int | None = None) -> Iterator[int]:
@@ -318,6 +336,8 @@ class Session:
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
         self._last_loss = self.strategy.backward(loss, self.precision, steps)
+        if self.memory_cap is not None:
+            self.memory_cap.check()
 
     def clip_grad_norm_(self, max_norm: float, model: nn.Module | None = None) -> torch.Tensor | None:
         """Clip the global gradient norm; returns it. Does nothing (returns None) on micro-steps
@@ -373,6 +393,8 @@ class Session:
             self._in_step = False
             self._micro = 0
             self._unscaled = False
+        if self.memory_cap is not None:
+            self.memory_cap.check()  # the optimizer's state appears at its first step
         self.recovery.after_step()
 
     def _discard_partial_window(self) -> None:
@@ -497,6 +519,18 @@ def _close_ref(ref: "weakref.ref[Session]") -> None:
     session = ref()
     if session is not None:
         session.close(sync=False)
+
+
+def _model_size(models: list[nn.Module]) -> str:
+    """Trainable parameters on this rank, and their gradients' size: what DDP all-reduces per
+    step, which ``phalanx tune`` reads to know whether the bucket size can matter."""
+    params = [p for model in models for p in model.parameters() if p.requires_grad]
+    size, unit = float(sum(p.numel() * p.element_size() for p in params)), "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if size >= 2**10:
+            size, unit = size / 2**10, bigger
+    text = f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+    return f"{sum(p.numel() for p in params):,} trainable parameters ({text} of gradients)"
 
 
 def _seed_everything(seed: int) -> None:

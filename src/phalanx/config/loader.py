@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from phalanx.config.preset import apply_preset, device_kind
 from phalanx.config.schema import SHORTHAND, Config, flatten
 from phalanx.errors import ConfigError
 from phalanx.topology import LaunchContext
@@ -55,7 +56,7 @@ def parse_override(line: str) -> tuple[str, Any]:
     """``"precision.mode=bf16"`` -> ``("precision.mode", "bf16")``; values are read as YAML scalars."""
     key, sep, raw = line.partition("=")
     key = key.strip()
-    if not sep or not key or "." not in key:
+    if not sep or not key or ("." not in key and key not in _top_level_values()):
         raise ConfigError(f"--set expects section.key=value (e.g. precision.mode=bf16), got '{line}'")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
@@ -150,22 +151,23 @@ def load_config(
     if lines:
         _merge(tree, _nest(dict(parse_override(line) for line in lines)), "--set", sources)
 
-    return _validated(tree, sources)
+    return _validated(tree, sources, context)
 
 
 def override_config(config: Config, sections: Mapping[str, Any], context: LaunchContext | None = None) -> Config:
     """A copy of ``config`` with keyword-argument sections from code merged on top, and the
     launcher's ``--set`` lines (from ``context``) on top of those."""
-    sources = dict(config.sources)
+    sources = dict(config.sources) or _set_in_code(config)
     tree = config.model_dump()
     if sections:
         _merge(tree, _code_sections(sections), "code", sources)
     if context and context.overrides:
         _merge(tree, _nest(dict(parse_override(line) for line in context.overrides)), "--set", sources)
-    return _validated(tree, sources)
+    return _validated(tree, sources, context)
 
 
-def _validated(tree: dict[str, Any], sources: dict[str, str]) -> Config:
+def _validated(tree: dict[str, Any], sources: dict[str, str], context: LaunchContext | None = None) -> Config:
+    apply_preset(tree, sources, flatten(Config().model_dump()), device_kind(context))
     try:
         config = Config.model_validate(tree)
     except ValidationError as err:
@@ -173,3 +175,24 @@ def _validated(tree: dict[str, Any], sources: dict[str, str]) -> Config:
     config._sources.update({k: sources.get(k, "default") for k in config.flat()})
     return config
 
+
+def _top_level_values() -> list[str]:
+    """Top-level settings that are values, not sections (``preset``)."""
+    return [name for name, info in Config.model_fields.items() if not (isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel))]
+
+
+def _set_in_code(config: Config) -> dict[str, str]:
+    """Sources of a Config built directly (``Config(precision={"mode": "bf16"})``): what was passed
+    is "code", the rest "default"; so a preset it names stays below what it sets."""
+    explicit: set[str] = set()
+
+    def walk(model: Any, prefix: str) -> None:
+        for name in model.model_fields_set:
+            value = getattr(model, name)
+            if hasattr(type(value), "model_fields"):
+                walk(value, f"{prefix}{name}.")
+            else:
+                explicit.add(f"{prefix}{name}")
+
+    walk(config, "")
+    return {key: "code" if key in explicit else "default" for key in config.flat()}

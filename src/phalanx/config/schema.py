@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+
+from phalanx.config.sizes import size_bytes
 
 
 class _Section(BaseModel):
@@ -14,14 +16,24 @@ class _Section(BaseModel):
 
 class DDPConfig(_Section):
     bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces")
+    first_bucket_cap_mb: Optional[float] = Field(None, gt=0, description="size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner (null: every bucket is bucket_cap_mb)")
     gradient_as_bucket_view: bool = Field(True, description="gradients alias the communication buckets (saves one copy of the gradients)")
     static_graph: bool = Field(False, description="the set of used parameters never changes between steps (enables DDP's graph optimisations)")
-    find_unused_parameters: bool = Field(False, description="tolerate parameters that get no gradient in some steps (costs a graph traversal per step)")
+    find_unused_parameters: Union[bool, Literal["auto"]] = Field("auto", description="auto: find in the first step whether some parameter gets no gradient, then run at full speed (none) or keep searching every step (some: named once) | true: search every step (costs a graph traversal per step) | false: never")
     broadcast_buffers: bool = Field(True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward")
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field("none", description="gradient compression for the all-reduce: none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)")
     powersgd_rank: int = Field(1, gt=0, description="powersgd: rank of the low-rank approximation (higher: more accurate, more traffic)")
     powersgd_start_step: int = Field(10, ge=2, description="powersgd: optimizer steps of uncompressed all-reduce before compression starts")
     powersgd_warm_start: bool = Field(True, description="powersgd: reuse the last step's low-rank factors (cheaper, usually as accurate)")
+
+    @field_validator("find_unused_parameters", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value):
+        if isinstance(value, bool) or value == "auto":
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError("find_unused_parameters must be auto, true or false")
 
 
 class FSDPConfig(_Section):
@@ -66,9 +78,34 @@ class PrecisionConfig(_Section):
 
 
 class DataConfig(_Section):
-    num_workers: Optional[int] = Field(None, ge=0, description="loader worker processes per rank (null: keep the DataLoader's own)")
+    num_workers: Optional[Union[int, Literal["auto"]]] = Field(None, description="loader worker processes per rank, or auto (this node's cores / its ranks - 1, at most 8) (null: keep the DataLoader's own)")
     pin_memory: Optional[bool] = Field(None, description="page-locked host memory for faster copies (null: on with CUDA)")
+    persistent_workers: Optional[bool] = Field(None, description="keep loader workers alive between epochs (null: on when the loader has workers)")
+    prefetch_factor: Optional[int] = Field(None, gt=0, description="batches each worker loads ahead; only for loaders with workers (null: the DataLoader's own, 2 by default)")
+    prefetch_to_device: bool = Field(True, description="CUDA: copy the next batch to the GPU on a side stream while the current one computes")
     drop_last: bool = Field(False, description="drop the last incomplete global batch of each epoch instead of filling it with samples from the start")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _worker_count(cls, value):
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("num_workers must be a whole number >= 0, auto, or null")
+
+    @field_validator("persistent_workers", "prefetch_factor")
+    @classmethod
+    def _needs_workers(cls, value, info: ValidationInfo):
+        # Only where the file says 0 itself: with null or auto the count is known at setup().
+        if value and info.data.get("num_workers") == 0:
+            raise ValueError(f"{info.field_name} applies to loader worker processes, but data.num_workers is 0; raise data.num_workers or set data.{info.field_name} to null")
+        return value
+
+
+class ComputeConfig(_Section):
+    compile: bool = Field(False, description="torch.compile the model after the strategy wraps it (the first steps are slow while it compiles; strategies auto, single, ddp, zero1, fsdp)")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field("default", description="torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune (longer compile, faster kernels)")
+    channels_last: bool = Field(False, description="convolution weights and 4-D input batches in channels-last memory format (faster convolutions on tensor-core GPUs)")
+    optimizer_impl: Optional[Literal["auto", "foreach", "fused", "loop"]] = Field(None, description="optimizer kernels: auto (fused where the optimizer and device have them, else foreach on CUDA) | foreach | fused | loop (null: as the optimizer was built)")
 
 
 class TrainConfig(_Section):
@@ -79,6 +116,16 @@ class TrainConfig(_Section):
     tensorboard: bool = Field(True, description="also write TensorBoard scalars when tensorboard is installed")
     profile: Optional[str] = Field(None, description="torch.profiler trace of optimizer steps A to B-1, e.g. 'steps=5:8' (null: no profiling)")
     profile_ranks: list[int] = Field(default_factory=lambda: [0], description="ranks that write a profile trace")
+    memory_cap: Optional[Union[int, str]] = Field(None, description="largest memory each rank may use, e.g. '2GiB' (CUDA: the allocator's limit; CPU: growth of peak resident memory since session.setup()); over it, torch.OutOfMemoryError (null: no cap)")
+
+    @field_validator("memory_cap")
+    @classmethod
+    def _size(cls, value):
+        if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
+            raise ValueError("memory_cap must be a positive size such as '2GiB', '512MiB' or a number of bytes")
+        if isinstance(value, str) and not size_bytes(value):
+            raise ValueError(f"memory_cap '{value}' is not a size; write e.g. '2GiB', '512MiB' or a number of bytes")
+        return value
 
 
 class CheckpointConfig(_Section):
@@ -132,10 +179,12 @@ class LaunchConfig(_Section):
 
 
 class Config(_Section):
+    preset: Literal["none", "throughput"] = Field("none", description="throughput: turn on what is safe and fast for this device, below your own settings (docs/performance.md) | none")
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -161,6 +210,26 @@ class Config(_Section):
         hook, name = self.strategy.ddp.comm_hook, self.strategy.name
         if hook != "none" and name not in ("auto", "ddp", "zero1"):
             raise ValueError(f"strategy.ddp.comm_hook={hook} compresses DDP's gradient all-reduce, which strategy {name} does not use; use strategy ddp or zero1, or set comm_hook none")
+        first, cap = self.strategy.ddp.first_bucket_cap_mb, self.strategy.ddp.bucket_cap_mb
+        if first is not None and first > cap:
+            raise ValueError(
+                f"strategy.ddp.first_bucket_cap_mb ({first:g}) is larger than bucket_cap_mb ({cap:g}); "
+                "the first bucket is meant to be small, so its all-reduce starts early: lower it or set it to null"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compute_fits_strategy(self):
+        compute, name = self.compute, self.strategy.name
+        if compute.compile and name in ("dp", "model_parallel", "pipeline"):
+            raise ValueError(
+                f"compute.compile is not supported with strategy {name} (phalanx compiles the wrapped model of single, ddp, zero1 "
+                "and fsdp only); use one of those, or set compute.compile: false"
+            )
+        if compute.compile_mode != "default" and not compute.compile:
+            raise ValueError(f"compute.compile_mode={compute.compile_mode} has no effect while compute.compile is false; set compute.compile: true, or leave compile_mode at default")
+        if compute.channels_last and name == "fsdp":
+            raise ValueError("compute.channels_last is not supported with strategy fsdp (FSDP2 cannot shard channels-last weights); use ddp or zero1, or set compute.channels_last: false")
         return self
 
     def flat(self) -> dict[str, object]:

@@ -25,9 +25,14 @@ RESOLVED_HEADER = """\
 def render(config: Config, *, sources: bool = False) -> str:
     """Commented YAML: each value's description, or with ``sources`` where the value came from."""
     lines = [(RESOLVED_HEADER if sources else HEADER).rstrip("\n")]
-    for name in type(config).model_fields:
+    for name, info in type(config).model_fields.items():
+        value = getattr(config, name)
+        if not isinstance(value, BaseModel):  # a top-level value (preset)
+            comment = config.sources.get(name, "default") if sources else info.description
+            lines.extend(["", f"{f'{name}: {scalar(value)}':<40} # {comment}"])
+            continue
         lines.append("")
-        lines.extend(_section(name, getattr(config, name), 0, name, config.sources if sources else None))
+        lines.extend(_section(name, value, 0, name, config.sources if sources else None))
     return "\n".join(lines) + "\n"
 
 

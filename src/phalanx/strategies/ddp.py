@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.unused import UnusedParameters
 from phalanx.words import plural
 
 _DDP_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
@@ -19,23 +21,41 @@ class DDP(Strategy):
     name = "ddp"
     needs_process_group = True
 
+    def __init__(self, config, topology):
+        super().__init__(config, topology)
+        self._unused: list[UnusedParameters] = []  # one per wrapped model
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         opts = self.config.strategy.ddp
         device = self.topology.device
         # torch 2.13 renamed the per-forward buffer sync; the old name still works but warns.
         buffers = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+        # auto starts with the search on, so the first step is right whatever the model does
+        # (strategies/unused.py turns it off after that step when nothing needs it). With
+        # static_graph DDP finds unused parameters itself in the first step.
+        find = opts.find_unused_parameters
+        if find == "auto":
+            find = not opts.static_graph
         wrapped = DistributedDataParallel(
             model,
             device_ids=[device] if device.type == "cuda" else None,
-            bucket_cap_mb=opts.bucket_cap_mb,
             gradient_as_bucket_view=opts.gradient_as_bucket_view,
             static_graph=opts.static_graph,
-            find_unused_parameters=opts.find_unused_parameters,
+            find_unused_parameters=find,
+            **_bucket_sizes(opts.bucket_cap_mb, opts.first_bucket_cap_mb),
             **{buffers: opts.broadcast_buffers},
         )
         if opts.comm_hook != "none":
             self._register_hook(wrapped)
+        comm_device = device if self.topology.backend == "nccl" else torch.device("cpu")
+        self._unused.append(UnusedParameters(wrapped, opts.find_unused_parameters, comm_device, self.topology.is_main))
         return wrapped
+
+    def backward(self, loss: torch.Tensor, precision, accumulation_steps: int) -> torch.Tensor:
+        reported = super().backward(loss, precision, accumulation_steps)
+        for watch in self._unused:
+            watch.after_backward()
+        return reported
 
     def _register_hook(self, model: DistributedDataParallel) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -67,6 +87,18 @@ class DDP(Strategy):
 
     def describe(self) -> str:
         opts = self.config.strategy.ddp
+        first = f", first {opts.first_bucket_cap_mb:g} MiB" if opts.first_bucket_cap_mb is not None else ""
         hook = f", {opts.comm_hook} compression" if opts.comm_hook != "none" else ""
-        return f"ddp over {plural(self.topology.world_size, 'process')} (bucket {opts.bucket_cap_mb:g} MiB{hook})"
+        return f"ddp over {plural(self.topology.world_size, 'process')} (bucket {opts.bucket_cap_mb:g} MiB{first}{hook})"
+
+
+def _bucket_sizes(bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> dict:
+    """DDP's bucket arguments. A first bucket of its own goes through ``bucket_cap_mb_list``, whose
+    last entry DDP reuses for every later bucket; the first bucket is the first to be filled in
+    backward (after DDP rebuilds its buckets in execution order, at the second step)."""
+    if first_bucket_cap_mb is None or first_bucket_cap_mb == bucket_cap_mb:
+        return {"bucket_cap_mb": bucket_cap_mb}
+    if "bucket_cap_mb_list" not in _DDP_ARGS:
+        raise ConfigError(f"strategy.ddp.first_bucket_cap_mb needs a torch whose DistributedDataParallel takes bucket_cap_mb_list (this is {torch.__version__}); set it to null")
+    return {"bucket_cap_mb_list": [first_bucket_cap_mb, bucket_cap_mb]}
 
