@@ -15,8 +15,15 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
+from phalanx.topology import cpu_count
+from phalanx.transfer import PlainTransfer, StreamTransfer, Transfer, staged
 from phalanx.tree import map_tensors
+
+# `data.num_workers: auto` never goes above this: each worker holds its own copy of the dataset
+# object, and past a handful of workers most loaders are no longer the bottleneck.
+MAX_AUTO_WORKERS = 8
 
 
 class ShardedSampler(Sampler[int]):
@@ -89,12 +96,26 @@ class LoaderState:
 class DeviceLoader:
     """A sharded DataLoader that hands out batches already on the device."""
 
-    def __init__(self, loader: DataLoader, sampler: ShardedSampler | None, device: torch.device, *, train: bool, non_blocking: bool):
+    def __init__(
+        self,
+        loader: DataLoader,
+        sampler: ShardedSampler | None,
+        device: torch.device,
+        *,
+        train: bool,
+        non_blocking: bool,
+        prefetch_to_device: bool = True,
+    ):
         self.loader = loader
         self.sampler = sampler
         self.device = device
         self.train = train
         self.non_blocking = non_blocking
+        side_stream = prefetch_to_device and device.type == "cuda"
+        self.transfer: Transfer = (StreamTransfer if side_stream else PlainTransfer)(device, non_blocking)
+        # Fetching a batch early is safe only when workers load it: loading in this process would
+        # move the dataset's random draws before the step's, so a resumed run would draw different ones.
+        self.fetch_ahead = side_stream and loader.num_workers > 0
         # Positions matter only where gather_for_metrics drops padding: evaluation loaders.
         self.state = LoaderState(sampler.dataset_len, sampler.world_size) if sampler is not None and not train else None
         self.on_batch = None  # set by the Session to learn which loader is active
@@ -103,6 +124,7 @@ class DeviceLoader:
         self.on_iterating = None  # set by the Session: called once the pass's iterator exists
         self._pass_start = 0  # global position where the current pass began
         self._served = 0  # batches handed out in the current pass
+        self._passes = 0  # passes started (iterators created)
 
     @property
     def epoch(self) -> int:
@@ -150,10 +172,16 @@ class DeviceLoader:
         requested = time.perf_counter()  # starting workers is waiting for data too
         # Creating a DataLoader iterator draws from torch's RNG (its workers' base seed); a resumed
         # run restores the generators after that draw, where the uninterrupted run's state was.
+        if self._passes and self.loader.persistent_workers and self.loader.num_workers > 0:
+            # Persistent workers are seeded once, so torch skips the draw after the first pass; make
+            # it anyway, so worker settings never change the random numbers the training loop draws.
+            torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
+        self._passes += 1
         batches = iter(self.loader)
         if self.on_iterating is not None:
             self.on_iterating(self)
-        for batch in batches:
+        # Positions, callbacks and waits count batches handed to the user, not batches fetched ahead.
+        for batch, handle in staged(batches, self.transfer, ahead=self.fetch_ahead):
             if self.on_wait is not None:
                 self.on_wait(time.perf_counter() - requested)
             if self.state is not None:
@@ -162,7 +190,7 @@ class DeviceLoader:
             if self.on_batch is not None:
                 self.on_batch(self)
             self._served += 1
-            yield to_device(batch, self.device, self.non_blocking)
+            yield self.transfer.ready(handle)
             requested = time.perf_counter()
 
 
@@ -176,30 +204,37 @@ def shard_loader(
     multiple_of: int,
     seed: int,
     device: torch.device,
-    num_workers: int | None,
-    pin_memory: bool | None,
-    drop_last: bool,
+    options: DataConfig,
+    procs_per_node: int = 1,
 ) -> DeviceLoader:
-    """Rebuild ``loader`` around a :class:`ShardedSampler`, keeping the user's dataset, collate and workers.
+    """Rebuild ``loader`` around a :class:`ShardedSampler`, keeping the user's dataset and collate,
+    with the ``data`` section's loader settings (see docs/data.md).
 
     ``batch_size`` is per rank and per forward; ``multiple_of`` is what the global order is padded to
-    (see :class:`ShardedSampler`).
+    (see :class:`ShardedSampler`); ``procs_per_node`` shares the CPUs for ``num_workers: auto``.
     """
-    pin = device.type == "cuda" if pin_memory is None else pin_memory
     if isinstance(loader.dataset, IterableDataset):
-        # An iterable dataset decides its own order; sharding it is the dataset's job.
-        return DeviceLoader(loader, None, device, train=train, non_blocking=pin)
+        # An iterable dataset decides its own order, and its workers split the stream between
+        # them: it is used as built (another worker count would change the data).
+        return DeviceLoader(loader, None, device, train=train, non_blocking=loader.pin_memory, prefetch_to_device=options.prefetch_to_device)
     if loader.batch_size is None:
         raise PhalanxError("phalanx shards DataLoaders built with batch_size=...; a custom batch_sampler cannot be split over processes")
     shuffle = _shuffles(loader)
-    drop_last = train and (drop_last or loader.drop_last)
+    drop_last = train and (options.drop_last or loader.drop_last)
     sampler = ShardedSampler(len(loader.dataset), rank, world_size, shuffle=shuffle, seed=seed, multiple_of=multiple_of, drop_last=drop_last)
-    workers = loader.num_workers if num_workers is None else num_workers
+    if options.num_workers == "auto":
+        workers = auto_workers(cpu_count(), procs_per_node)
+    else:
+        workers = loader.num_workers if options.num_workers is None else options.num_workers
+    pin = device.type == "cuda" if options.pin_memory is None else options.pin_memory
     extra: dict[str, Any] = {"pin_memory_device": getattr(loader, "pin_memory_device", "")}
     if hasattr(loader, "in_order"):  # torch >= 2.6
         extra["in_order"] = loader.in_order
     if workers > 0:
-        extra.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+        # Persistent workers are phalanx's default: the sampler runs in this process, so a new
+        # epoch (set_epoch) or a resumed position reaches them without restarting them.
+        persistent = True if options.persistent_workers is None else options.persistent_workers
+        extra.update(prefetch_factor=options.prefetch_factor or loader.prefetch_factor, persistent_workers=persistent)
     rebuilt = DataLoader(
         loader.dataset,
         batch_size=batch_size,
@@ -214,7 +249,14 @@ def shard_loader(
         generator=loader.generator,
         **extra,
     )
-    return DeviceLoader(rebuilt, sampler, device, train=train, non_blocking=pin)
+    return DeviceLoader(rebuilt, sampler, device, train=train, non_blocking=pin, prefetch_to_device=options.prefetch_to_device)
+
+
+def auto_workers(cpus: int, procs_per_node: int) -> int:
+    """Loader workers per rank for ``data.num_workers: auto``: this node's usable cores shared by its
+    ranks, less one for the rank's own process (which runs the training loop), at most
+    :data:`MAX_AUTO_WORKERS`. 0 (load in the main process) when a rank has a core or less."""
+    return max(0, min(MAX_AUTO_WORKERS, cpus // max(procs_per_node, 1) - 1))
 
 
 def _shuffles(loader: DataLoader) -> bool:
@@ -250,8 +292,3 @@ def _batch_len(batch: Any) -> int:
         if isinstance(value, (list, tuple)):
             return len(value)
     raise PhalanxError(f"cannot tell the batch size of a {type(batch).__name__} batch; batches should hold tensors or lists with one entry per sample")
-
-
-def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor inside a batch (nested dicts, lists, tuples) to ``device``."""
-    return map_tensors(value, lambda t: t.to(device, non_blocking=non_blocking))

@@ -1,4 +1,5 @@
-"""Rank-0 progress bar: position, loss and global samples/s, refreshed a few times a second.
+"""Rank-0 progress bar: position, loss, global samples/s and the share of time spent waiting for
+data, refreshed a few times a second.
 
 The loss is read from the device only at refresh time, so the bar never forces a sync per step.
 """
@@ -16,15 +17,28 @@ _REFRESH_S = 0.25
 
 
 class Throughput:
-    """Samples per second over one pass of a loader."""
+    """Samples per second over one pass of a loader, and how much of it the loop waited for data."""
 
     def __init__(self) -> None:
         self.samples = 0
         self.start = time.perf_counter()
         self.end: float | None = None
+        self.first_batch: float | None = None  # when the first batch arrived
+        self.data_wait = 0.0  # seconds spent waiting for batches after the first
+        self.batches = 0  # batches that arrived
 
     def add(self, n: int) -> None:
         self.samples += n
+
+    def waited(self, seconds: float) -> None:
+        """The loop waited ``seconds`` for a batch that has just arrived."""
+        self.batches += 1
+        if self.first_batch is None:
+            # Starting the pass (worker start-up, the first load) is left out: it is paid once
+            # per pass and would hide the steady state for the first part of every epoch.
+            self.first_batch = time.perf_counter()
+        else:
+            self.data_wait += seconds
 
     def stop(self) -> None:
         self.end = time.perf_counter()
@@ -37,6 +51,15 @@ class Throughput:
     def per_second(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def data_share(self) -> float | None:
+        """Share of the time since the first batch arrived that the loop spent waiting for the
+        next one (None before a second batch)."""
+        if self.first_batch is None or self.batches < 2:
+            return None
+        span = (self.end or time.perf_counter()) - self.first_batch
+        return min(self.data_wait / span, 1.0) if span > 0 else None
+
 
 def track(
     batches: Iterable[Any],
@@ -48,9 +71,9 @@ def track(
     loss: Callable[[], float | None],
     meter: Throughput,
 ) -> Iterator[Any]:
-    """Yield from ``batches``, counting samples into ``meter`` and drawing a bar when ``show``."""
+    """Yield from ``batches``, counting samples and data waits into ``meter`` and drawing a bar when ``show``."""
     if not show:
-        for batch in batches:
+        for batch in _timed(batches, meter):
             yield batch
             meter.add(samples_per_batch)
         meter.stop()
@@ -73,25 +96,41 @@ def track(
     with Progress(*columns, console=console, refresh_per_second=1 / _REFRESH_S) as bar:
         task = bar.add_task(description, total=total, status="")
         last = 0.0
-        for batch in batches:
+        for batch in _timed(batches, meter):
             yield batch
             meter.add(samples_per_batch)
             now = time.perf_counter()
             if now - last >= _REFRESH_S:
                 last = now
-                bar.update(task, completed=_count(meter, samples_per_batch), status=_status(loss(), meter.per_second))
+                bar.update(task, completed=_count(meter, samples_per_batch), status=_status(loss(), meter.per_second, meter.data_share))
         meter.stop()
-        status = _status(loss(), meter.per_second)
+        status = _status(loss(), meter.per_second, meter.data_share)
         bar.update(task, completed=_count(meter, samples_per_batch), status=status)
     if console.file is not stream:
         done = _count(meter, samples_per_batch)
         print(f"{description}: {done}{f'/{total}' if total is not None else ''} batches in {meter.seconds:.1f}s, {status}", file=stream.log, flush=True)
 
 
+def _timed(batches: Iterable[Any], meter: Throughput) -> Iterator[Any]:
+    """``batches``, timing how long each one takes to arrive once the loop asks for it."""
+    iterator = iter(batches)
+    while True:
+        asked = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        meter.waited(time.perf_counter() - asked)
+        yield batch
+
+
 def _count(meter: Throughput, per_batch: int) -> int:
     return meter.samples // max(per_batch, 1)
 
 
-def _status(loss: float | None, rate: float) -> str:
-    text = f"{rate:,.0f} samples/s"
-    return f"loss {loss:.4f}  {text}" if loss is not None else text
+def _status(loss: float | None, rate: float, data_share: float | None = None) -> str:
+    parts = [f"loss {loss:.4f}"] if loss is not None else []
+    parts.append(f"{rate:,.0f} samples/s")
+    if data_share is not None:
+        parts.append(f"data {100 * data_share:.0f}%")
+    return "  ".join(parts)

@@ -13,6 +13,9 @@ from rich.table import Table
 from phalanx.metrics.straggler import SLOW_FACTOR, SLOW_SHARE
 from phalanx.metrics.summary import read_flops, read_records, summarize, write_summary
 
+# Above this share of step time spent waiting for data the summary says what to do about it.
+DATA_WAIT_HINT = 0.10
+
 
 def report_run(run_dir: Path) -> dict[str, Any] | None:
     """After a successful launch: summarise ``<run dir>/metrics``, write ``summary.json``, print it,
@@ -28,8 +31,9 @@ def report_run(run_dir: Path) -> dict[str, Any] | None:
         console = Console() if sys.stdout.isatty() else Console(width=120)
         console.print(headline(summary), highlight=False)
         console.print(summary_table(summary))
-        for line in verdict(summary):
-            console.print(line, highlight=False, soft_wrap=True)
+        for line in [*verdict(summary), data_wait_hint(summary)]:
+            if line:
+                console.print(line, highlight=False, soft_wrap=True)
     traces = sorted((run_dir / "profile").glob("rank*.json"))
     if traces:
         print(f"phalanx: profile traces: {', '.join(map(str, traces))}", flush=True)
@@ -86,6 +90,19 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     if wait_excess >= found["excess_s"] / 2:
         line += f"; mostly waiting for its data loader ({_ms(mine['data_wait_p50'])} a step)"
     return [line]
+
+
+def data_wait_hint(summary: dict[str, Any]) -> str | None:
+    """Advice when some rank spent more than :data:`DATA_WAIT_HINT` of its step time waiting for data."""
+    worst = max(summary["ranks"], key=lambda r: r["data_wait_share"])
+    share = worst["data_wait_share"]
+    if share <= DATA_WAIT_HINT:
+        return None
+    who = f"rank {worst['rank']} spent" if summary["world_size"] > 1 else "the run spent"
+    return (
+        f"phalanx: the input pipeline holds training back: {who} {100 * share:.0f}% of its step time waiting for data; "
+        "raise data.num_workers or run `phalanx tune`"
+    )
 
 
 def one_line(summary: dict[str, Any]) -> str:

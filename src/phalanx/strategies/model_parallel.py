@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.data import to_device
+from phalanx.transfer import to_device
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
 
