@@ -1,10 +1,5 @@
-"""Runs the bench: one short ``phalanx launch`` per device count, each in its own run directory
-under ``<run dir>/<stamp>-bench/``, then the figures, bench.json and bench.png.
-
-Each run is a ``python -m phalanx launch`` subprocess rather than an in-process launch: its output
-(progress, rank 0's prints, failure summaries) goes to its own ``launch.log`` instead of the bench's
-table, and a script with no step cap of its own can be stopped like Ctrl-C stops it. The launch
-stays in the bench's process group, so a Ctrl-C at the terminal reaches both at once.
+"""Runs the bench: one short ``phalanx launch`` per device count (see launching.py), each in its
+own run directory under ``<run dir>/<stamp>-bench/``, then the figures, bench.json and bench.png.
 """
 
 from __future__ import annotations
@@ -12,25 +7,18 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from phalanx.bench.chart import have_matplotlib, write_chart
-from phalanx.bench.figures import RunFigures, Scaling, read_metrics, run_figures, scaling, steps_recorded
+from phalanx.bench.figures import RunFigures, Scaling, read_metrics, run_figures, scaling
+from phalanx.bench.launching import failure_reason, launch_command, quiet_overrides, run_launch
 from phalanx.bench.reading import reading
 from phalanx.bench.report import bench_json, machine_facts, machine_label
 from phalanx.errors import PhalanxError
-from phalanx.launch.launcher import LaunchPlan, LaunchRequest, new_run_dir, prepare
+from phalanx.launch.launcher import LaunchRequest, new_run_dir, prepare
 from phalanx.topology import cpu_count, user_omp_threads
-
-_POLL_S = 0.25
-_INTERRUPT_GRACE_S = 3  # a terminal Ctrl-C reached the launch too; give it this long to notice
-_SHUTDOWN_S = 60  # torch elastic gives its workers 30 s after a signal before it kills them
 
 
 class RunFailed(PhalanxError):
@@ -114,7 +102,7 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     run_dirs: dict[int, str] = {}
     for n in counts:
         batch = figures[0].global_batch if figures else None
-        overrides = (*_quiet_overrides(base, directory / f"n{n}"), *_weak_scaling(batch, n))
+        overrides = (*quiet_overrides(base.config, directory / f"n{n}"), *_weak_scaling(batch, n))
         name = f"the {n}-{unit} run"
         run_dir, seconds = _run_one(options, script, script_args, n, overrides, directory / f"n{n}", name, threads)
         run_dirs[n] = str(run_dir)
@@ -185,72 +173,18 @@ def _weak_scaling(batch: int | None, n: int) -> tuple[str, ...]:
     return (f"batch.global_batch_size={batch * n}",) if batch and n > 1 else ()
 
 
-def _quiet_overrides(base: LaunchPlan, parent: Path) -> tuple[str, ...]:
-    """Per-step metrics on (bench reads them); no progress bar (it syncs to read the loss) and no
-    profiler; no checkpoints read from or written to the user's checkpoint directory. Each only
-    where the config has the key."""
-    keys = base.config.flat()
-    out = ["train.progress=false"]
-    if "train.metrics" in keys:
-        out.append("train.metrics=true")
-    if "train.profile" in keys:
-        out.append("train.profile=null")
-    if "checkpoint.resume" in keys:
-        out.append("checkpoint.resume=never")
-    if "checkpoint.dir" in keys:
-        out.append(f"checkpoint.dir={parent / 'checkpoints'}")
-    if "checkpoint.save_every" in keys:
-        out.append("checkpoint.save_every=null")
-    return tuple(out)
-
-
 def _run_one(options: BenchOptions, script: str, script_args, n: int, overrides: tuple[str, ...], parent: Path, name: str, threads: int | None) -> tuple[Path, float]:
     parent.mkdir()
-    command = [sys.executable, "-m", "phalanx", "launch", "--nproc", str(n), "--run-dir", str(parent)]
-    if options.cpu:
-        command.append("--cpu")
-    if options.config_file:
-        command += ["--config", options.config_file]
-    for override in (*options.overrides, *overrides):
-        command += ["--set", override]
-    command += [script, *script_args]
-    cap = None if options.demo else options.steps
-    log = parent / "launch.log"
-    started = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as out:
-        # The environment passes through unread; the launcher takes OMP_NUM_THREADS as the user's.
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        stopped = False
-        try:
-            while proc.poll() is None:
-                if cap is not None and not stopped and _steps_so_far(parent) >= cap:
-                    proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops its workers
-                    stopped = True
-                try:
-                    proc.wait(timeout=_POLL_S)
-                except subprocess.TimeoutExpired:
-                    pass
-        except KeyboardInterrupt:
-            _interrupt(proc)
-            raise
-    seconds = time.perf_counter() - started
-    runs = _run_dirs(parent)
-    if proc.returncode != 0 and not (stopped and _steps_so_far(parent) >= cap):
-        raise RunFailed(f"{name} failed (exit code {proc.returncode}){_reason(log)}; its output is in {log}")
-    if not runs:
-        raise RunFailed(f"{name} made no run directory; its output is in {log}")
-    return runs[0], seconds
-
-
-def _run_dirs(parent: Path) -> list[Path]:
-    # The launcher names the run directory itself (<stamp>-<script>); it writes config.yaml first.
-    return sorted(d for d in parent.iterdir() if (d / "config.yaml").is_file())
-
-
-def _steps_so_far(parent: Path) -> int:
-    runs = _run_dirs(parent)
-    return steps_recorded(runs[0] / "metrics") if runs else 0
+    command = launch_command(script, script_args, nproc=n, parent=parent, cpu=options.cpu, config_file=options.config_file, overrides=(*options.overrides, *overrides))
+    # The environment passes through unread; the launcher takes OMP_NUM_THREADS as the user's.
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    run = run_launch(command, parent, None if options.demo else options.steps, env)
+    if not run.complete:
+        reason = failure_reason(run.log)
+        raise RunFailed(f"{name} failed (exit code {run.returncode}){': ' + reason if reason else ''}; its output is in {run.log}")
+    if run.run_dir is None:
+        raise RunFailed(f"{name} made no run directory; its output is in {run.log}")
+    return run.run_dir, run.seconds
 
 
 def _metrics_dir(run_dir: Path, name: str) -> Path:
@@ -261,27 +195,3 @@ def _metrics_dir(run_dir: Path, name: str) -> Path:
             "that phalanx.Session writes, so the script must train through a Session"
         )
     return metrics
-
-
-def _reason(log: Path) -> str:
-    """The launcher's own summary of the failure, when it wrote one."""
-    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.startswith("phalanx: ")]
-    for line in reversed(lines):
-        if line.startswith("phalanx: error: "):
-            return ": " + line.removeprefix("phalanx: error: ")
-        if " failed first " in line or line.startswith("phalanx: stopped by signal"):
-            return ": " + line.removeprefix("phalanx: ")
-    return ""
-
-
-def _interrupt(proc: subprocess.Popen) -> None:
-    try:
-        proc.wait(timeout=_INTERRUPT_GRACE_S)
-        return
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # the interrupt came to the bench alone
-    try:
-        proc.wait(timeout=_SHUTDOWN_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

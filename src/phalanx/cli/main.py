@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from phalanx import __version__
-from phalanx.cli import bench_cmd, checkpoint_cmd, config_cmd, diagnose_cmd, launch_cmd, plan_cmd
+from phalanx.cli import bench_cmd, checkpoint_cmd, config_cmd, diagnose_cmd, launch_cmd, plan_cmd, tune_cmd
 from phalanx.errors import PhalanxError
 
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.register(commands)
     diagnose_cmd.register(commands)
     bench_cmd.register(commands)
+    tune_cmd.register(commands)
     checkpoint_cmd.register(commands)
     return parser
 

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import re
-
+from phalanx.config.sizes import GIB, KIB, MIB, size_bytes
 from phalanx.errors import PhalanxError
-
-KIB = 1024
-MIB = 1024**2
-GIB = 1024**3
-
-_SUFFIX = {"": 1, "K": KIB, "M": MIB, "G": GIB}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
     """``"4K"`` -> 4096; K, M and G are powers of 1024 (``KiB``, ``MB`` and ``KB`` read the same)."""
-    match = _SIZE.match(text)
-    if not match:
+    size = size_bytes(text)
+    if size is None:
         raise PhalanxError(f"'{text}' is not a size; write a number of bytes with an optional K, M or G, e.g. 4K or 64M")
-    return int(float(match.group(1)) * _SUFFIX[match.group(2).upper()])
+    return size
 
 
 def format_bytes(n: int | float | None) -> str:

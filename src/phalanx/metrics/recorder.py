@@ -12,7 +12,7 @@ import math
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -65,6 +65,8 @@ class StepRecorder:
         self._last_step = 0
         self._watching = False
         self._closed = False
+        # Set by the Session under train.memory_cap on CPU: peak resident growth since it started.
+        self.cpu_peak: Callable[[], int | None] | None = None
 
     # -- fed by the Session and its loaders --------------------------------------------------
     def add_wait(self, seconds: float) -> None:
@@ -156,9 +158,12 @@ class StepRecorder:
         if self._summary_at_close:
             summary = summarize({self.rank: list(self.records)}, self._flops_facts())
             if summary is not None:
-                from phalanx.metrics.report import one_line
+                from phalanx.metrics.report import data_wait_hint, one_line
 
                 print(one_line(summary), flush=True)
+                hint = data_wait_hint(summary)
+                if hint:
+                    print(hint, flush=True)
 
     def _set_flops(self, value: float | None) -> None:
         self.flops_per_sample = value
@@ -176,7 +181,7 @@ class StepRecorder:
 
     def _peak_memory(self) -> int | None:
         if self.device.type != "cuda":
-            return None
+            return self.cpu_peak() if self.cpu_peak is not None else None
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)  # so the next record is that step's own peak
         return peak

@@ -1,0 +1,139 @@
+"""Short ``phalanx launch`` runs in a subprocess, for ``phalanx bench`` and ``phalanx tune``.
+
+Each run is a ``python -m phalanx launch`` subprocess rather than an in-process launch: its output
+(progress, rank 0's prints, failure summaries) goes to its own ``launch.log`` instead of the
+caller's table, and a script with no step cap of its own can be stopped like Ctrl-C stops it. The
+launch stays in the caller's process group, so a Ctrl-C at the terminal reaches both at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from phalanx.bench.figures import steps_recorded
+from phalanx.config.schema import Config
+
+_POLL_S = 0.25
+_INTERRUPT_GRACE_S = 3  # a terminal Ctrl-C reached the launch too; give it this long to notice
+_SHUTDOWN_S = 60  # torch elastic gives its workers 30 s after a signal before it kills them
+
+
+@dataclass(frozen=True)
+class LaunchRun:
+    returncode: int
+    stopped: bool  # stopped from outside (SIGINT) once every rank had recorded `cap` steps
+    steps: int  # optimizer steps every rank recorded
+    seconds: float
+    log: Path  # the launcher's own output
+    run_dir: Path | None  # the directory the launcher made, None if it made none
+
+    @property
+    def complete(self) -> bool:
+        """Ended by itself without error, or was stopped after its steps."""
+        return self.returncode == 0 or self.stopped
+
+
+def quiet_overrides(config: Config, parent: Path) -> tuple[str, ...]:
+    """Per-step metrics on (the caller reads them); no progress bar (it syncs to read the loss) and
+    no profiler; no checkpoints read from or written to the user's checkpoint directory. Each only
+    where the config has the key."""
+    keys = config.flat()
+    out = ["train.progress=false"]
+    if "train.metrics" in keys:
+        out.append("train.metrics=true")
+    if "train.profile" in keys:
+        out.append("train.profile=null")
+    if "checkpoint.resume" in keys:
+        out.append("checkpoint.resume=never")
+    if "checkpoint.dir" in keys:
+        out.append(f"checkpoint.dir={parent / 'checkpoints'}")
+    if "checkpoint.save_every" in keys:
+        out.append("checkpoint.save_every=null")
+    return tuple(out)
+
+
+def launch_command(
+    script: str,
+    script_args: Sequence[str],
+    *,
+    nproc: int,
+    parent: Path,
+    cpu: bool = False,
+    config_file: str | None = None,
+    overrides: Sequence[str] = (),
+) -> list[str]:
+    command = [sys.executable, "-m", "phalanx", "launch", "--nproc", str(nproc), "--run-dir", str(parent)]
+    if cpu:
+        command.append("--cpu")
+    if config_file:
+        command += ["--config", config_file]
+    for override in overrides:
+        command += ["--set", override]
+    return [*command, script, *script_args]
+
+
+def run_launch(command: list[str], parent: Path, cap: int | None, env: Mapping[str, str] | None = None) -> LaunchRun:
+    """Run ``command`` (a :func:`launch_command` whose run dir is ``parent``) to its end, or stop it
+    once every rank has recorded ``cap`` optimizer steps (None: let it end by itself)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    log = parent / "launch.log"
+    started = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None)
+        stopped = False
+        try:
+            while proc.poll() is None:
+                if cap is not None and not stopped and steps_so_far(parent) >= cap:
+                    proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops its workers
+                    stopped = True
+                try:
+                    proc.wait(timeout=_POLL_S)
+                except subprocess.TimeoutExpired:
+                    pass
+        except KeyboardInterrupt:
+            interrupt(proc)
+            raise
+    seconds = time.perf_counter() - started
+    runs = run_dirs(parent)
+    steps = steps_so_far(parent)
+    return LaunchRun(proc.returncode, stopped and cap is not None and steps >= cap, steps, seconds, log, runs[0] if runs else None)
+
+
+def run_dirs(parent: Path) -> list[Path]:
+    # The launcher names the run directory itself (<stamp>-<script>); it writes config.yaml first.
+    return sorted(d for d in parent.iterdir() if (d / "config.yaml").is_file())
+
+
+def steps_so_far(parent: Path) -> int:
+    runs = run_dirs(parent)
+    return steps_recorded(runs[0] / "metrics") if runs else 0
+
+
+def failure_reason(log: Path) -> str:
+    """The launcher's own one-line summary of a failure, when it wrote one ("" otherwise)."""
+    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.startswith("phalanx: ")]
+    for line in reversed(lines):
+        if line.startswith("phalanx: error: "):
+            return line.removeprefix("phalanx: error: ")
+        if " failed first " in line or line.startswith("phalanx: stopped by signal"):
+            return line.removeprefix("phalanx: ")
+    return ""
+
+
+def interrupt(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=_INTERRUPT_GRACE_S)
+        return
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the interrupt came to the caller alone
+    try:
+        proc.wait(timeout=_SHUTDOWN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

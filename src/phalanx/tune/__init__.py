@@ -1,0 +1,1 @@
+"""``phalanx tune``: trial runs that pick the micro-batch, loader workers and DDP bucket size for this machine."""

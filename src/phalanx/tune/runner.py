@@ -1,0 +1,398 @@
+"""``phalanx tune``: short trial runs of a script on this machine, in three stages, each starting
+from the previous stage's winner:
+
+1. micro-batch: the largest that fits in device memory (doubling, then bisection; see search.py),
+   and the fastest of those that fit;
+2. loader workers: 0, 1, 2, ... until the step no longer waits for data;
+3. DDP bucket size (ddp and zero1 with several processes).
+
+Every trial is a ``phalanx launch`` subprocess (bench/launching.py) under
+``<run dir>/<stamp>-tune/tNN/``, with checkpoints, progress bar, profiler and restarts off. A trial
+that runs out of memory on any rank ends like any failed job (the launcher stops the other ranks),
+and is read as "out of memory" from the ranks' logs.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from phalanx.bench.launching import launch_command, quiet_overrides, run_launch
+from phalanx.config.sizes import size_bytes
+from phalanx.diagnose.units import format_bytes
+from phalanx.errors import PhalanxError
+from phalanx.launch.launcher import LaunchPlan, LaunchRequest, new_run_dir, prepare
+from phalanx.strategies import strategy_class
+from phalanx.topology import cpu_count
+from phalanx.tune import search
+from phalanx.tune.config_file import Written, write_values
+from phalanx.tune.trials import OK, OOM, Announced, Settings, Trial, announced, code_settings, conclude
+from phalanx.words import plural
+
+STAGES = ("micro-batch", "workers", "bucket")
+_BUCKET_STRATEGIES = ("ddp", "zero1")
+
+
+class TuneFailed(PhalanxError):
+    """A trial that had to work did not: not bad input, so not exit code 2."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    demo: bool = False
+    nproc: int | None = None
+    config_file: str | None = None
+    overrides: tuple[str, ...] = ()
+    memory_cap: str | None = None
+    steps: int = 20
+    warmup: int = 5
+    max_micro_batch: int | None = None
+    allow_global_batch: bool = False
+    search: tuple[str, ...] = STAGES
+    dry_run: bool = False
+    cpu: bool = False
+    run_dir: str | None = None
+
+    def command(self) -> str:
+        parts = ["phalanx", "tune"]
+        if self.nproc:
+            parts += ["--nproc", str(self.nproc)]
+        if self.memory_cap:
+            parts += ["--memory-cap", self.memory_cap]
+        parts += ["--steps", str(self.steps), "--warmup", str(self.warmup)]
+        if self.max_micro_batch:
+            parts += ["--max-micro-batch", str(self.max_micro_batch)]
+        if self.allow_global_batch:
+            parts.append("--allow-global-batch")
+        if tuple(self.search) != STAGES:
+            parts += ["--search", ",".join(self.search)]
+        for override in self.overrides:
+            parts += ["--set", override]
+        if self.config_file:
+            parts += ["--config", self.config_file]
+        if self.run_dir:
+            parts += ["--run-dir", self.run_dir]
+        if self.dry_run:
+            parts.append("--dry-run")
+        if self.cpu:
+            parts.append("--cpu")
+        parts += ["--demo"] if self.demo else [self.script or "", *self.script_args]
+        return shlex.join(parts)
+
+
+@dataclass
+class StageResult:
+    stage: str
+    summary: str  # one line for the terminal
+    values: dict[str, object] = field(default_factory=dict)  # config values it chose
+
+
+@dataclass
+class TuneResult:
+    directory: Path
+    trials: list[Trial]
+    stages: list[StageResult]
+    values: dict[str, object]  # everything to write
+    config_path: Path
+    written: Written | None
+    warnings: list[str]
+    failure: str | None = None  # set when tune could not finish: nothing was written
+
+
+def parse_search(text: str | None) -> tuple[str, ...]:
+    if text is None:
+        return STAGES
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in STAGES]
+    if not names or unknown:
+        raise PhalanxError(f"--search takes a comma-separated list of {', '.join(STAGES)}; got '{text}'")
+    return tuple(n for n in STAGES if n in names)
+
+
+class _Tuner:
+    def __init__(self, options: TuneOptions, say: Callable[[str], None]):
+        self.options = options
+        self.say = say
+        self.script, self.script_args, self.cap = _target(options)
+        _check_options(options)
+        extra = (f"train.memory_cap={options.memory_cap}",) if options.memory_cap else ()
+        self.base: LaunchPlan = prepare(
+            LaunchRequest(script=self.script, script_args=self.script_args, config_file=options.config_file, overrides=(*options.overrides, *extra), nproc=options.nproc, cpu=options.cpu, run_dir=options.run_dir)
+        )
+        if self.base.rendezvous.nnodes > 1:
+            raise PhalanxError("phalanx tune runs on one machine; tune on one node, then use the values on every node")
+        self.nproc = self.base.devices.nproc
+        self.dp = strategy_class(self.base.strategy, self.nproc).data_parallel_size_for(self.nproc)
+        self.directory = new_run_dir(Path(options.run_dir or self.base.config.launch.run_dir).resolve(), "tune")
+        self.common = (
+            *options.overrides,
+            *extra,
+            *quiet_overrides(self.base.config, self.directory),
+            "train.tensorboard=false",
+            "launch.max_restarts=0",  # an out-of-memory trial must end, not resume
+        )
+        self.trials: list[Trial] = []
+        self._by_settings: dict[Settings, Trial] = {}
+        self.plan: Announced | None = None  # the script's batch plan, from the first trial
+
+    # -- trials -----------------------------------------------------------------------------------
+    def trial(self, stage: str, settings: Settings | None, label: str, *, again: bool = False) -> Trial:
+        """Run one trial (or return the earlier one with the same settings, unless ``again``)."""
+        if settings is not None and settings in self._by_settings and not again:
+            return self._by_settings[settings]
+        number = len(self.trials) + 1
+        parent = self.directory / f"t{number:02d}"
+        overrides = (*self.common, *(settings.overrides() if settings else ()))
+        command = launch_command(self.script, self.script_args, nproc=self.nproc, parent=parent, cpu=self.options.cpu, config_file=self.options.config_file, overrides=overrides)
+        run = run_launch(command, parent, self.cap)
+        trial = conclude(Trial(number, stage, settings or Settings(0, 0), label), run, nproc=self.nproc, warmup=self.options.warmup, steps=self.options.steps)
+        self.trials.append(trial)
+        if settings is not None and not again:
+            self._by_settings[settings] = trial
+        self.say(_progress_line(trial))
+        return trial
+
+    def confirmed(self, stage: str, current: Trial, winner: Trial) -> bool:
+        """A change from the value in use must win a second, independent pair of trials too:
+        between trials minutes apart, a shared machine's load alone moves samples/s by more
+        than the gain a setting brings."""
+        again_current = self.trial(stage, current.settings, f"{self.stage_label(stage, current.settings)} (again)", again=True)
+        again_winner = self.trial(stage, winner.settings, f"{self.stage_label(stage, winner.settings)} (again)", again=True)
+        return search.confirmed(again_current.samples_per_s, again_winner.samples_per_s)
+
+    def stage_label(self, stage: str, s: Settings) -> str:
+        """What a trial varies, in the words of its stage."""
+        if stage == "bucket":
+            return f"{s.bucket_mb:g} MiB buckets"
+        if stage == "workers":
+            return plural(int(s.workers or 0), "loader worker")
+        return self.label(s)
+
+    def label(self, s: Settings) -> str:
+        accumulation = s.global_batch // (s.micro * self.dp)
+        return f"micro-batch {s.micro} x {plural(accumulation, 'accumulation step')} x {plural(self.dp, 'process')} = global {s.global_batch}"
+
+    # -- stages -------------------------------------------------------------------------------------
+    def run(self) -> TuneResult:
+        o = self.options
+        self.directory.mkdir(parents=True)
+        device = self.base.devices.kind
+        cap = f", memory cap {o.memory_cap} per rank" if o.memory_cap else ""
+        self.say(f"phalanx: tune of {'the demo' if o.demo else self.script} on {plural(self.nproc, 'process' if device == 'cpu' else 'device')} ({device}, strategy {self.base.strategy}{cap}), {o.steps} steps per trial; trials in {self.directory}")
+        stages: list[StageResult] = []
+        warnings: list[str] = []
+        start = self.trial("start", None, "as configured")
+        if start.outcome not in (OK, OOM):
+            raise TuneFailed(f"the first trial, with the script's own settings, failed: {start.detail}; its output is in {start.log}")
+        plan = announced(start.run_dir)
+        if plan is None:
+            raise TuneFailed(
+                f"the first trial ({start.describe_outcome()}) announced no batch plan; tune needs a script that trains through "
+                f"phalanx.Session with a training DataLoader (or batch.global_batch_size); its output is in {start.log}"
+            )
+        self.plan = plan
+        global_batch, micro = plan.global_batch, plan.micro
+        config = self.base.config
+        bucket = config.strategy.ddp.bucket_cap_mb if self._bucket_applies() else None
+        current = Settings(micro, global_batch, config.data.num_workers, bucket)
+        start.settings, start.label = current, f"as configured: {self.label(current)}"
+        self._by_settings[current] = start
+
+        failure = None
+        try:
+            if "micro-batch" in o.search:
+                current, stage = self.micro_stage(current, start)
+                stages.append(stage)
+            elif start.outcome == OOM:
+                raise TuneFailed(f"the script's own micro-batch {micro} runs out of memory ({start.detail}); search micro-batches with --search micro-batch")
+            if "workers" in o.search:
+                current, stage = self.workers_stage(current)
+                stages.append(stage)
+            if "bucket" in o.search:
+                current, stage = self.bucket_stage(current)
+                stages.append(stage)
+        except TuneFailed as err:
+            failure = str(err)
+
+        values: dict[str, object] = {}
+        for stage in stages:
+            values.update(stage.values)
+        code = code_settings(start.run_dir)
+        for key in values:
+            if key in code:
+                warnings.append(f"the script sets {key} in code (phalanx.Session(...)), which beats the config file: change it there, or pass --set {key}={values[key]} to launch")
+        config_path = Path(o.config_file) if o.config_file else Path("phalanx.yaml")
+        written = None
+        if values and not o.dry_run and failure is None:
+            written = write_values(config_path, values)
+        result = TuneResult(self.directory, self.trials, stages, values, config_path, written, warnings, failure)
+        (self.directory / "tune.json").write_text(json.dumps(_document(result, o, device, self.nproc), indent=2) + "\n", encoding="utf-8")
+        return result
+
+    def micro_stage(self, current: Settings, start: Trial) -> tuple[Settings, StageResult]:
+        o = self.options
+        per_process = current.global_batch // self.dp
+        keep = not o.allow_global_batch
+        most = o.max_micro_batch or (per_process if keep else 8 * per_process)
+        if most < current.micro:
+            raise TuneFailed(f"--max-micro-batch {most} is below the script's own micro-batch {current.micro}")
+        multiple = self.base.config.strategy.pipeline.microbatches if self.base.strategy == "pipeline" else 1
+        candidates = search.micro_candidates(per_process, current.micro, keep_global=keep, most=most, multiple_of=multiple)
+        tried: dict[int, Trial] = {current.micro: start}
+
+        def fits(size: int) -> bool:
+            if size not in tried:
+                settings = replace(current, micro=size, global_batch=search.global_batch_for(size, current.global_batch, self.dp))
+                tried[size] = self.trial("micro-batch", settings, self.label(settings))
+            return tried[size].outcome == OK
+
+        largest = search.largest_fitting(candidates, current.micro, fits)
+        if largest is None:
+            raise TuneFailed(f"no micro-batch fits, not even {candidates[0]}: {tried[candidates[0]].describe_outcome()}; its output is in {tried[candidates[0]].log}")
+        over = min((s for s, t in tried.items() if s > largest and t.outcome != OK), default=None)
+        winner = search.fastest([search.Measured(s, t.samples_per_s) for s, t in sorted(tried.items())], current.micro if start.outcome == OK else None)
+        chosen = tried[int(winner.value)]
+        unconfirmed = None
+        if chosen is not start and start.outcome == OK and not self.confirmed("micro-batch", start, chosen):
+            unconfirmed, chosen = chosen, start
+        chosen.chosen = True
+        text = f"micro-batch: the largest that fits is {largest}"
+        if over is not None:
+            text += f" ({over}: {tried[over].describe_outcome()})"
+        elif keep and largest == per_process:
+            text += f", the whole per-process share of global batch {current.global_batch} (--allow-global-batch tries larger ones)"
+        else:
+            text += f", the largest tried (--max-micro-batch {most})"
+            if self.base.devices.kind == "cpu" and self.base.config.train.memory_cap is None:
+                text += "; on CPU without --memory-cap only the machine's RAM limits memory"
+        if chosen.settings.micro != current.micro:
+            text += f"; chosen {chosen.settings.micro}, the fastest that fits"
+        elif unconfirmed is not None:
+            text += f"; kept the script's own {current.micro}: {unconfirmed.settings.micro} was faster at first, not when both ran again"
+        elif len(tried) > 1:
+            text += f"; kept the script's own {current.micro}: no other measured {search.MIN_GAIN:.0%} faster"
+        values: dict[str, object] = {"batch.micro_batch_size": chosen.settings.micro}
+        if chosen.settings.global_batch != current.global_batch:
+            lr = search.lr_settings(
+                current.global_batch,
+                chosen.settings.global_batch,
+                rule=self.base.config.optim.lr_scaling,
+                reference=self.base.config.optim.reference_batch_size,
+                warmup_steps=self.base.config.optim.warmup_steps,
+            )
+            values.update(lr)
+            text += (
+                f"; global batch {current.global_batch} -> {chosen.settings.global_batch}, so the learning rate is scaled by "
+                f"{search.lr_multiplier(lr):.3g} ({lr['optim.lr_scaling']} rule, reference {lr['optim.reference_batch_size']}, warm-up {lr['optim.warmup_steps']} steps)"
+            )
+        return chosen.settings, StageResult("micro-batch", text, values)
+
+    def workers_stage(self, current: Settings) -> tuple[Settings, StageResult]:
+        per_rank = max(1, cpu_count() // self.nproc)
+        measured: list[search.Measured] = []
+        trials: dict[int, Trial] = {}
+        for count in search.worker_counts(per_rank):
+            settings = replace(current, workers=count)
+            trial = self.trial("workers", settings, self.stage_label("workers", settings))
+            trials[count] = trial
+            measured.append(search.Measured(count, trial.samples_per_s, trial.data_wait_share))
+            if search.stop_adding_workers(measured[-1]):
+                break
+        winner = search.choose_workers(measured)
+        if winner is None:
+            return current, StageResult("workers", "loader workers: no trial ran its steps; data.num_workers left as it was")
+        chosen = trials[int(winner.value)]
+        chosen.chosen = True
+        share = chosen.data_wait_share or 0.0
+        text = f"loader workers: {int(winner.value)} (data wait {share:.0%} of the step; tried {', '.join(map(str, trials))} of up to {per_rank} per rank)"
+        return chosen.settings, StageResult("workers", text, {"data.num_workers": int(winner.value)})
+
+    def bucket_stage(self, current: Settings) -> tuple[Settings, StageResult]:
+        if not self._bucket_applies():
+            why = f"strategy {self.base.strategy} has no DDP gradient buckets" if self.nproc > 1 else "one process has nothing to all-reduce"
+            return current, StageResult("bucket", f"bucket size: skipped ({why})")
+        gradients = self.plan.gradient_mib
+        sizes = search.bucket_sizes(current.bucket_mb, gradients)
+        if len(sizes) < 2:
+            return current, StageResult("bucket", f"bucket size: skipped (all {format_bytes(gradients * 2**20)} of gradients fit in one bucket of every size tried, so the size cannot matter)")
+        measured, trials = [], {}
+        for size in sizes:
+            settings = replace(current, bucket_mb=size)
+            trials[size] = self.trial("bucket", settings, self.stage_label("bucket", settings))
+            measured.append(search.Measured(size, trials[size].samples_per_s))
+        winner = search.fastest(measured, current.bucket_mb)
+        if winner is None:
+            return current, StageResult("bucket", "bucket size: no trial ran its steps; strategy.ddp.bucket_cap_mb left as it was")
+        chosen, now = trials[winner.value], trials[current.bucket_mb]
+        kept = f" (no other size measured {search.MIN_GAIN:.0%} faster)"
+        if chosen is not now and now.outcome == OK and not self.confirmed("bucket", now, chosen):
+            kept = f" ({chosen.settings.bucket_mb:g} MiB was faster at first, not when both ran again)"
+            chosen = now
+        chosen.chosen = True
+        size = chosen.settings.bucket_mb
+        text = f"bucket size: {size:g} MiB{kept if size == current.bucket_mb else ''}"
+        return chosen.settings, StageResult("bucket", text, {"strategy.ddp.bucket_cap_mb": float(size)})
+
+    def _bucket_applies(self) -> bool:
+        return self.base.strategy in _BUCKET_STRATEGIES and self.nproc > 1
+
+
+def run_tune(options: TuneOptions, say: Callable[[str], None] = print) -> TuneResult:
+    return _Tuner(options, say).run()
+
+
+def _target(options: TuneOptions) -> tuple[str, tuple[str, ...], int | None]:
+    """Script, its arguments, and the step count at which a trial is stopped (None: it stops itself)."""
+    if options.demo and options.script:
+        raise PhalanxError("give either a script or --demo, not both")
+    if options.demo:
+        from phalanx.demo import TRAIN_SCRIPT
+
+        return TRAIN_SCRIPT, ("--max-steps", str(options.steps)), None
+    if not options.script:
+        raise PhalanxError("give the training script to tune, or --demo for the built-in example")
+    return options.script, tuple(options.script_args), options.steps
+
+
+def _check_options(options: TuneOptions) -> None:
+    if options.steps < 1 or options.warmup < 0 or options.warmup >= options.steps:
+        raise PhalanxError(f"--steps must be at least 1 and above --warmup; got --steps {options.steps} --warmup {options.warmup}")
+    if options.memory_cap is not None and not size_bytes(options.memory_cap):
+        raise PhalanxError(f"--memory-cap '{options.memory_cap}' is not a size; write e.g. 2GiB, 512MiB or a number of bytes")
+    if options.max_micro_batch is not None and options.max_micro_batch < 1:
+        raise PhalanxError(f"--max-micro-batch must be at least 1, got {options.max_micro_batch}")
+    for name in options.search:
+        if name not in STAGES:
+            raise PhalanxError(f"unknown tune stage '{name}'; the stages are {', '.join(STAGES)}")
+
+
+def _progress_line(trial: Trial) -> str:
+    text = f"phalanx: tune trial {trial.number} ({trial.stage}, {trial.label}): "
+    if trial.outcome == OK:
+        share = trial.data_wait_share
+        text += f"{trial.samples_per_s:,.0f} samples/s, data wait {share:.0%}" if share is not None else f"{trial.samples_per_s:,.0f} samples/s"
+    else:
+        text += trial.describe_outcome()
+    return text + f", {trial.seconds:.0f}s"
+
+
+def _document(result: TuneResult, options: TuneOptions, device: str, nproc: int) -> dict:
+    return {
+        "command": options.command(),
+        "device": device,
+        "nproc": nproc,
+        "trials": [t.as_json() for t in result.trials],
+        "stages": [{"stage": s.stage, "summary": s.summary, "values": s.values} for s in result.stages],
+        "values": result.values,
+        "config_file": str(result.config_path),
+        "written": result.written is not None,
+        "warnings": result.warnings,
+        "failure": result.failure,
+    }

@@ -1,0 +1,183 @@
+"""One ``phalanx tune`` trial: a short ``phalanx launch`` with a few settings changed, and how it
+ended: ran its steps (with figures), ran out of memory (on which ranks), or failed otherwise."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.bench.figures import RunFigures, read_metrics, run_figures
+from phalanx.bench.launching import LaunchRun, failure_reason
+from phalanx.errors import PhalanxError
+
+OK, OOM, FAILED = "ok", "out of memory", "failed"
+
+# What torch (and the phalanx memory cap) print when an allocation fails. In a rank's log, the
+# exception must be the traceback's last line (torch.cuda.OutOfMemoryError is the same class), not
+# a source line quoted in a traceback; the launcher's one-line summary is "Type: message".
+_MESSAGES = r"CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED"
+_OOM_IN_LOG = re.compile(rf"^(?:\[rank \d+\] )?(?:torch\.)?(?:cuda\.)?OutOfMemoryError\b|{_MESSAGES}", re.MULTILINE)
+_OOM_IN_SUMMARY = re.compile(rf"\bOutOfMemoryError\b|{_MESSAGES}")
+_ANNOUNCED = re.compile(r"global batch (\d+) = micro batch (\d+) x (\d+) accumulation steps? x (\d+) process")
+_MODEL = re.compile(r"trainable parameters \(([\d.]+) (B|KiB|MiB|GiB) of gradients\)")
+_MIB_PER = {"B": 1 / 2**20, "KiB": 1 / 2**10, "MiB": 1.0, "GiB": 2.0**10}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a trial sets. ``workers`` None: the script's own loader workers; ``bucket_mb`` None:
+    not set (a strategy without DDP buckets)."""
+
+    micro: int
+    global_batch: int
+    workers: int | str | None = None
+    bucket_mb: float | None = None
+
+    def overrides(self) -> tuple[str, ...]:
+        out = [f"batch.micro_batch_size={self.micro}", f"batch.global_batch_size={self.global_batch}"]
+        if self.workers is not None:
+            out.append(f"data.num_workers={self.workers}")
+        if self.bucket_mb is not None:
+            out.append(f"strategy.ddp.bucket_cap_mb={self.bucket_mb:g}")
+        return tuple(out)
+
+
+@dataclass
+class Trial:
+    number: int
+    stage: str  # start | micro-batch | workers | bucket
+    settings: Settings
+    label: str  # what this trial varies, for the table
+    outcome: str = FAILED
+    detail: str = ""  # ranks out of memory, or why it failed
+    figures: RunFigures | None = None
+    seconds: float = 0.0
+    log: Path | None = None
+    run_dir: Path | None = None
+    chosen: bool = False
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.figures.samples_per_s if self.outcome == OK and self.figures else None
+
+    @property
+    def data_wait_share(self) -> float | None:
+        f = self.figures
+        return f.data_wait / f.step_time if self.outcome == OK and f and f.step_time > 0 else None
+
+    def describe_outcome(self) -> str:
+        if self.outcome == OK:
+            return OK
+        return f"{self.outcome} ({self.detail})" if self.detail else self.outcome
+
+    def as_json(self) -> dict:
+        return {
+            "number": self.number,
+            "stage": self.stage,
+            "setting": self.label,
+            "micro_batch_size": self.settings.micro,
+            "global_batch_size": self.settings.global_batch,
+            "num_workers": self.settings.workers,
+            "bucket_cap_mb": self.settings.bucket_mb,
+            "outcome": self.outcome,
+            "detail": self.detail,
+            "samples_per_s": self.samples_per_s,
+            "data_wait_share": self.data_wait_share,
+            "peak_mem_bytes": self.figures.peak_mem_bytes if self.figures else None,
+            "seconds": round(self.seconds, 2),
+            "chosen": self.chosen,
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+            "log": str(self.log) if self.log else None,
+        }
+
+
+def conclude(trial: Trial, run: LaunchRun, *, nproc: int, warmup: int, steps: int) -> Trial:
+    """Fill in how ``run`` ended. Out of memory on any rank is the trial's outcome even when the
+    launcher blamed another rank first (a peer's closed connection, say)."""
+    trial.seconds, trial.log, trial.run_dir = run.seconds, run.log, run.run_dir
+    oom_ranks = out_of_memory_ranks(run.run_dir) if run.run_dir else []
+    reason = failure_reason(run.log)
+    if oom_ranks or (not run.complete and _OOM_IN_SUMMARY.search(reason)):
+        trial.outcome = OOM
+        trial.detail = f"{'rank' if len(oom_ranks) == 1 else 'ranks'} {', '.join(map(str, oom_ranks))}" if oom_ranks else ""
+        return trial
+    if not run.complete:
+        trial.outcome, trial.detail = FAILED, _short(reason) or f"exit code {run.returncode}"
+        return trial
+    if run.steps == 0:
+        trial.outcome, trial.detail = FAILED, "no optimizer step recorded: tune reads the per-step metrics of phalanx.Session"
+        return trial
+    if run.steps < steps:
+        trial.outcome, trial.detail = FAILED, f"the script ended after {run.steps} of the {steps} steps a trial needs: raise train.epochs or lower --steps"
+        return trial
+    try:
+        trial.figures = run_figures(nproc, read_metrics(run.run_dir / "metrics"), warmup, f"trial {trial.number}", steps)
+    except (PhalanxError, OSError) as err:
+        trial.outcome, trial.detail = FAILED, _short(str(err))
+        return trial
+    trial.outcome = OK
+    return trial
+
+
+def out_of_memory_ranks(run_dir: Path) -> list[int]:
+    """Ranks whose log shows an out-of-memory error."""
+    ranks = set()
+    for log in (run_dir / "logs").glob("rank*.log"):
+        digits = re.match(r"rank(\d+)", log.name)
+        if digits and _OOM_IN_LOG.search(log.read_text(encoding="utf-8", errors="replace")):
+            ranks.add(int(digits.group(1)))
+    return sorted(ranks)
+
+
+@dataclass(frozen=True)
+class Announced:
+    """What the Session's rank 0 announced at setup, before any step: known even when the first
+    step runs out of memory."""
+
+    global_batch: int
+    micro: int
+    processes: int  # data-parallel
+    gradient_mib: float | None  # trainable parameters' gradients on rank 0
+
+
+def announced(run_dir: Path | None) -> Announced | None:
+    if run_dir is None:
+        return None
+    for log in sorted((run_dir / "logs").glob("rank0*.log")):
+        text = log.read_text(encoding="utf-8", errors="replace")
+        match = _ANNOUNCED.search(text)
+        if match:
+            global_batch, micro, _, processes = map(int, match.groups())
+            size = _MODEL.search(text)
+            return Announced(global_batch, micro, processes, float(size.group(1)) * _MIB_PER[size.group(2)] if size else None)
+    return None
+
+
+def code_settings(run_dir: Path | None) -> set[str]:
+    """Settings the script gave in code (``phalanx.Session(batch=...)``), read from the resolved
+    config the run wrote (each value is followed by where it came from). Code beats the config
+    file, so tune cannot change these through the file."""
+    path = run_dir / "config.yaml" if run_dir else None
+    if path is None or not path.is_file():
+        return set()
+    found, stack = set(), []  # stack: (indent, section name)
+    for line in path.read_text(encoding="utf-8").splitlines():
+        match = re.match(r"^(\s*)([A-Za-z_][\w]*):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match.group(1)), match.group(2), match.group(3)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if not rest.strip():
+            stack.append((indent, key))
+            continue
+        if re.search(r"#\s*code\s*$", rest):
+            found.add(".".join([name for _, name in stack] + [key]))
+    return found
+
+
+def _short(text: str, most: int = 120) -> str:
+    """A reason fit for a table cell; the whole of it is in the trial's launch.log."""
+    text = " ".join(text.split())
+    return text if len(text) <= most else text[: most - 3] + "..."
