@@ -1,0 +1,249 @@
+"""What every contender's worker shares: its command line, the timed loop, the time-to-target loop,
+and the result file. A contender only says how it prepares a model, optimizer and loader and how
+it takes one training step (see ``Prepared``); everything that is measured is measured here, the
+same way for all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+
+from peers.targets import TASKS, Task
+from peers.workloads import DATA_SEED, EVAL_SEED, WORKLOADS, Workload, tiny
+
+
+@dataclass
+class Job:
+    """One thing to train, as a contender sees it."""
+
+    name: str
+    recipe: Workload | Task
+    train: TensorDataset
+    micro_batch: int  # per process, for the contenders that take a per-process batch
+    global_batch: int  # micro_batch x processes, for phalanx (whose loader batch is the global batch)
+    lr_multiplier: Callable[[int], float] | None = None  # raw loop, time to target: phalanx's lr rule by hand
+
+
+@dataclass
+class Prepared:
+    """A contender's answer to a Job."""
+
+    model: torch.nn.Module  # as the contender wrapped it; evaluation calls it on every rank
+    loader: Iterable  # yields (input, target) per micro-step, this process's share
+    step: Callable[[torch.Tensor, torch.Tensor], None]  # one micro-step (it steps the optimizer when due)
+    set_epoch: Callable[[int], None]
+    global_batch: int  # samples per optimizer step over all processes (phalanx's config may change it)
+    info: dict = field(default_factory=dict)  # what the contender chose: batch split, precision, ...
+    close: Callable[[], None] = lambda: None
+    accumulation: int = 1  # micro-steps per optimizer step (phalanx's plan; 1 for the others)
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _sync() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _agree(flag: bool) -> bool:
+    """Rank 0's decision for everyone (all ranks evaluate identical weights; this only makes sure)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.broadcast(value, 0)
+    return bool(value.item())
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contender", required=True)
+    parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    parser.add_argument("--workloads", default="", help="throughput mode: comma-separated workloads, trained one after another")
+    parser.add_argument("--tiny", action="store_true", help="a few steps each (the test suite)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: the workload's)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the workload's)")
+    parser.add_argument("--task", default=None, help="time-to-target mode: digits | teacher")
+    parser.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
+    parser.add_argument("--eval-every", type=int, default=None, help="training samples between evaluations")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="give up after this much training time")
+    parser.add_argument("--max-samples", type=int, default=None, help="give up after this many training samples")
+    parser.add_argument("--lr-scale", type=float, default=1.0, help="raw loop: lr multiplier after warm-up (phalanx's rule, computed by the driver)")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="raw loop: linear lr warm-up steps")
+    parser.add_argument("--warmup-start", type=float, default=0.0, help="raw loop: warm-up starts at this fraction of the scaled lr")
+    return parser.parse_args()
+
+
+def lr_rule(args: argparse.Namespace) -> Callable[[int], float] | None:
+    """The multiplier per optimizer step for a LambdaLR: linear warm-up to ``lr_scale``."""
+    scale, steps, start = args.lr_scale, args.warmup_steps, args.warmup_start
+    if scale == 1.0 and steps == 0:
+        return None
+    return lambda step: scale if step >= steps else scale * (start + (1.0 - start) * (step + 1) / steps)
+
+
+def main(contender_prepare: Callable[[Job], Prepared], *, versions: dict[str, str]) -> None:
+    args = parse_args()
+    _, size = world()
+    result: dict = {
+        "contender": args.contender,
+        "world_size": size,
+        "threads_per_process": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "python": platform.python_version(), **versions},
+    }
+    if args.task:
+        result["task"] = _to_target(args, contender_prepare, size)
+    else:
+        result["workloads"] = {name: _throughput(args, name, contender_prepare, size) for name in args.workloads.split(",") if name}
+    rank, _ = world()
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(result, indent=1), encoding="utf-8")
+        print(f"result written to {args.result}", flush=True)
+    if dist.is_available() and dist.is_initialized():  # leave together, as every contender's docs ask
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _throughput(args: argparse.Namespace, name: str, contender_prepare: Callable[[Job], Prepared], size: int) -> dict:
+    workload = WORKLOADS[name]
+    if args.tiny:
+        workload = tiny(workload)
+    warmup = args.warmup if args.warmup is not None else workload.warmup
+    steps = args.steps if args.steps is not None else workload.steps
+    data = workload.make_data(workload.micro_batch * size * (warmup + steps), DATA_SEED)
+    job = Job(name, workload, data, workload.micro_batch, workload.micro_batch * size)
+    prepared = contender_prepare(job)
+    prepared.set_epoch(0)
+    global_batch = prepared.global_batch
+
+    # Timing starts at an optimizer-step boundary after `warmup` optimizer steps and covers every
+    # later micro-step, data loading included; a step's time is taken when its last micro-step ends.
+    samples, micro, start, marks = 0, 0, None, []
+    iterator = iter(prepared.loader)
+    while True:
+        if start is None and micro == warmup * prepared.accumulation:
+            _sync()
+            start = time.perf_counter()
+            marks.append(start)
+            warm_samples = samples
+        try:
+            x, y = next(iterator)
+        except StopIteration:
+            break
+        prepared.step(x, y)
+        samples += x.shape[0] * size
+        micro += 1
+        if start is not None and micro % prepared.accumulation == 0:
+            marks.append(time.perf_counter())
+    if len(marks) < 2:
+        raise SystemExit(f"{name}: the data ran out before a timed optimizer step ({micro} micro-steps of {prepared.accumulation} per step); raise --steps")
+    timed = samples - warm_samples
+    seconds = marks[-1] - start
+    step_times = [b - a for a, b in zip(marks, marks[1:])]
+    loss = _eval_loss(prepared.model, workload)
+    parameters = sum(p.numel() for p in prepared.model.parameters())
+    prepared.close()
+    return {
+        "title": workload.title,
+        "parameters": parameters,
+        "global_batch": global_batch,
+        "warmup_steps": warmup,
+        "timed_steps": len(step_times),
+        "timed_samples": timed,
+        "seconds": seconds,
+        "samples_per_s": timed / seconds,
+        "step_time_median_s": statistics.median(step_times),
+        "step_times_s": step_times,
+        "final_loss": loss,
+        "choices": prepared.info,
+    }
+
+
+def _eval_loss(model: torch.nn.Module, workload: Workload) -> float:
+    """Mean loss on a fixed held-out batch, on every rank (identical weights, so identical results;
+    running it everywhere keeps any collective inside a wrapped forward matched)."""
+    data = workload.make_data(workload.eval_samples, EVAL_SEED)
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(data), 256):
+            x, y = data[i : i + 256]
+            total += workload.loss(model(x).float(), y).item() * len(x)
+    model.train()
+    return total / len(data)
+
+
+def _accuracy(model: torch.nn.Module, held_out: TensorDataset) -> float:
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(held_out), 512):
+            x, y = held_out[i : i + 512]
+            correct += (model(x).argmax(dim=1) == y).sum().item()
+    model.train()
+    return correct / len(held_out)
+
+
+def _to_target(args: argparse.Namespace, contender_prepare: Callable[[Job], Prepared], size: int) -> dict:
+    task = TASKS[args.task]
+    train, held_out = task.data()
+    job = Job(task.name, task, train, task.micro_batch, task.micro_batch * size, lr_rule(args))
+    prepared = contender_prepare(job)
+    if job.lr_multiplier is not None and "lr" not in prepared.info:
+        warmup = f", linear warm-up over {args.warmup_steps} steps" if args.warmup_steps else ""
+        prepared.info["lr"] = f"lr x {args.lr_scale:.4g} (phalanx's rule, by hand){warmup}"
+    target = args.target if args.target is not None else task.target
+    every = args.eval_every or task.eval_every
+    max_samples = args.max_samples or task.max_samples
+
+    _sync()
+    start = time.perf_counter()
+    samples, micro, next_eval, eval_seconds, curve = 0, 0, every, 0.0, []
+    reached, epoch, accuracy = False, 0, 0.0
+    while not reached and samples < max_samples and time.perf_counter() - start < args.max_seconds:
+        prepared.set_epoch(epoch)
+        for x, y in prepared.loader:
+            prepared.step(x, y)
+            samples += x.shape[0] * size
+            micro += 1
+            if samples >= next_eval and micro % prepared.accumulation == 0:  # between optimizer steps
+                # Evaluation time counts in the wall time of both contenders alike.
+                began = time.perf_counter()
+                accuracy = _accuracy(prepared.model, held_out)
+                reached = _agree(accuracy >= target)
+                eval_seconds += time.perf_counter() - began
+                curve.append({"seconds": time.perf_counter() - start, "samples": samples, "accuracy": accuracy})
+                next_eval += every
+                if reached or samples >= max_samples or time.perf_counter() - start >= args.max_seconds:
+                    break
+        epoch += 1
+    seconds = time.perf_counter() - start
+    prepared.close()
+    return {
+        "task": task.name,
+        "title": task.title,
+        "target_accuracy": target,
+        "reached": reached,
+        "seconds": seconds,
+        "eval_seconds": eval_seconds,
+        "samples": samples,
+        "epochs": samples / len(train),
+        "final_accuracy": accuracy,
+        "curve": curve,
+        "choices": prepared.info,
+    }

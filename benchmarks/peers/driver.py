@@ -1,0 +1,161 @@
+"""Starting the contenders' workers, one process launch at a time, and collecting what they wrote.
+
+raw DDP, Accelerate and Fabric start under torchrun (``python -m torch.distributed.run
+--standalone``), phalanx under ``phalanx launch``; every launch gets the same OMP_NUM_THREADS
+(phalanx's rule: the machine's cores divided by the processes) and runs in a fresh directory of
+its own, with its output in ``launch.log`` there. A launch that fails, times out or writes no
+result is recorded with the reason, and the benchmark goes on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = HERE.parent
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    label: str  # for tables and charts
+    launcher: str  # "torchrun" | "phalanx"
+    script: str
+    settings: tuple[tuple[str, object], ...] = ()  # phalanx config entries, passed in a config file
+    needs: str | None = None  # module that must be importable (benchmark-only dependencies)
+
+
+CONTENDERS = {
+    c.name: c
+    for c in (
+        Contender("raw", "raw DDP", "torchrun", "raw_ddp.py"),
+        Contender("phalanx", "phalanx defaults", "phalanx", "phalanx_run.py"),
+        Contender("phalanx-preset", "phalanx preset=throughput", "phalanx", "phalanx_run.py", settings=(("preset", "throughput"),)),
+        Contender("accelerate", "Accelerate", "torchrun", "accelerate_run.py", needs="accelerate"),
+        Contender("fabric", "Lightning Fabric", "torchrun", "fabric_run.py", needs="lightning_fabric"),
+    )
+}
+
+
+@dataclass
+class Outcome:
+    contender: str
+    nproc: int
+    repeat: int
+    wall_s: float  # the whole launch, process start to exit
+    result: dict | None  # the worker's result file, None when it failed
+    error: str | None  # why it failed
+    exit_code: int | None
+    log: str
+    unit: str | None = None  # the time-to-target task it ran
+
+
+def missing_dependency(contender: Contender) -> str | None:
+    if contender.needs and importlib.util.find_spec(contender.needs) is None:
+        return f"{contender.needs} is not installed (pip install -e '.[peers]')"
+    return None
+
+
+def threads_per_process(nproc: int) -> int:
+    """What `phalanx launch` gives each CPU process: the cores shared out, at least one."""
+    from phalanx.topology import cpu_count  # the cores this process may use, as phalanx counts them
+
+    return max(1, cpu_count() // nproc)
+
+
+def command(contender: Contender, nproc: int, run_dir: Path, worker_args: list[str], config_file: str | None) -> list[str]:
+    script = str(HERE / contender.script)
+    args = ["--contender", contender.name, "--result", str(run_dir / "result.json"), *worker_args]
+    if contender.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
+    cmd = [sys.executable, "-m", "phalanx", "launch", "--cpu", "--nproc", str(nproc), "--run-dir", str(run_dir / "runs")]
+    if config_file:
+        cmd += ["--config", str(Path(config_file).resolve())]
+    return [*cmd, script, *args]
+
+
+def config_file(contender: Contender, tuned: str | None, directory: Path) -> str | None:
+    """The config file a phalanx contender launches with: the tuned config (if any) with the
+    contender's own entries on top, written as YAML; None when there is nothing to set."""
+    if contender.launcher != "phalanx" or not (contender.settings or tuned):
+        return None
+    import yaml
+
+    from phalanx.config.loader import read_file  # YAML or TOML, as phalanx reads it
+
+    tree = dict(read_file(tuned)) if tuned else {}
+    tree.update(contender.settings)
+    path = directory / f"{contender.name}.yaml"
+    path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
+    return str(path)
+
+
+def launch(contender: Contender, nproc: int, repeat: int, run_dir: Path, worker_args: list[str], *, timeout: float, config_file: str | None = None) -> Outcome:
+    run_dir.mkdir(parents=True)
+    log = run_dir / "launch.log"
+    # torch elastic starts each worker in a session of its own, out of reach of a signal to the
+    # launcher's group; this token in their environment finds them if they outlive the launch.
+    token = f"phalanx-compare-{uuid.uuid4().hex}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(nproc)), "PHALANX_COMPARE_LAUNCH": token}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), env.get("PYTHONPATH", "")) if p)
+    cmd = command(contender, nproc, run_dir, worker_args, config_file)
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n", encoding="utf-8")
+    started = time.perf_counter()
+    error = None
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, cwd=run_dir, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout:.0f} s"
+        finally:  # also on Ctrl-C: nothing of this launch outlives it
+            _kill_group(proc)
+            _kill_carriers(token)
+    wall = time.perf_counter() - started
+    result_file = run_dir / "result.json"
+    result = json.loads(result_file.read_text(encoding="utf-8")) if result_file.is_file() and proc.returncode == 0 else None
+    if result is None and error is None:
+        error = f"exit code {proc.returncode}: {failure_reason(log)}"
+    return Outcome(contender.name, nproc, repeat, wall, result, error, proc.returncode, str(log))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _kill_carriers(token: str) -> None:
+    """SIGKILL every process whose environment holds ``token``: only this launch's processes."""
+    needle = token.encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
+def failure_reason(log: Path) -> str:
+    """phalanx's own one-line error when there is one, else the exception that ended a worker."""
+    lines = [line.strip() for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("phalanx: error:"):
+            return line.removeprefix("phalanx: error:").strip()[:400]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0].split(" ")[-1]
+        # torchrun's own ChildFailedError only says that a worker failed; the worker says why.
+        if head.endswith(("Error", "Exception", "Interrupt")) and ":" in line and "ChildFailedError" not in head:
+            return line[:400]
+    return lines[-1][:400] if lines else "no output"
