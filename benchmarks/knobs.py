@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import phalanx
 
-IN, HIDDEN, OUT = 256, 1024, 10
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from overhead import make_data, make_model  # noqa: E402  (the same MLP workload)
 
 STUDIES: dict[str, list[tuple[str, list[str]]]] = {
     "buckets": [
@@ -62,15 +63,6 @@ STUDIES: dict[str, list[tuple[str, list[str]]]] = {
 }
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    layers, width = [], IN
-    for _ in range(4):
-        layers += [nn.Linear(width, HIDDEN), nn.ReLU()]
-        width = HIDDEN
-    return nn.Sequential(*layers, nn.Linear(width, OUT))
-
-
 def measure(overrides: list[str], micro: int, warmup: int, steps: int) -> list[float]:
     """Seconds of each of ``steps`` optimizer steps after ``warmup`` (runs in every process)."""
     # Checkpoints away from the working directory, never resumed: a SIGTERM'd run saves one
@@ -80,8 +72,7 @@ def measure(overrides: list[str], micro: int, warmup: int, steps: int) -> list[f
     session = phalanx.Session(phalanx.Config.load(overrides=[*quiet, *overrides]))
     world = session.world_size
     n = micro * world * (warmup + steps)
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(n, IN, generator=g), torch.randint(0, OUT, (n,), generator=g))
+    data = make_data(n)
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer = session.setup(model, optimizer)
