@@ -9,6 +9,7 @@ from pathlib import Path
 
 from phalanx.bench.figures import RunFigures, read_metrics, run_figures
 from phalanx.bench.launching import LaunchRun, failure_reason
+from phalanx.config.sizes import MIB, size_bytes
 from phalanx.errors import PhalanxError
 
 OK, OOM, FAILED = "ok", "out of memory", "failed"
@@ -21,7 +22,6 @@ _OOM_IN_LOG = re.compile(rf"^(?:\[rank \d+\] )?(?:torch\.)?(?:cuda\.)?OutOfMemor
 _OOM_IN_SUMMARY = re.compile(rf"\bOutOfMemoryError\b|{_MESSAGES}")
 _ANNOUNCED = re.compile(r"global batch (\d+) = micro batch (\d+) x (\d+) accumulation steps? x (\d+) process")
 _MODEL = re.compile(r"trainable parameters \(([\d.]+) (B|KiB|MiB|GiB) of gradients\)")
-_MIB_PER = {"B": 1 / 2**20, "KiB": 1 / 2**10, "MiB": 1.0, "GiB": 2.0**10}
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def announced(run_dir: Path | None) -> Announced | None:
         if match:
             global_batch, micro, _, processes = map(int, match.groups())
             size = _MODEL.search(text)
-            return Announced(global_batch, micro, processes, float(size.group(1)) * _MIB_PER[size.group(2)] if size else None)
+            return Announced(global_batch, micro, processes, size_bytes(f"{size.group(1)} {size.group(2)}") / MIB if size else None)
     return None
 
 
