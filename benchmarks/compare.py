@@ -169,8 +169,8 @@ def phalanx_lr(contender, tuned: str | None, cwd: Path) -> tuple[object | None, 
 
 
 def raw_lr_args(optim, global_batch: int, reference: int) -> list[str]:
-    """phalanx's lr rule (phalanx/lr.py) as the raw loop's LambdaLR arguments: scale, warm-up."""
-    from phalanx.lr import LRScaling
+    """phalanx's lr rule (phalanx/runtime/lr.py) as the raw loop's LambdaLR arguments: scale, warm-up."""
+    from phalanx.runtime.lr import LRScaling
 
     scaling = LRScaling(optim.lr_scaling, global_batch, reference, optim.warmup_steps, optim.warmup_start_factor)
     start = optim.warmup_start_factor

@@ -8,7 +8,7 @@ import pytest
 
 from phalanx.config.batch import plan_batch
 from phalanx.errors import ConfigError
-from phalanx.lr import LRScaling
+from phalanx.runtime.lr import LRScaling
 
 
 @pytest.mark.parametrize(

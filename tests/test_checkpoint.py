@@ -23,7 +23,7 @@ from phalanx.checkpoint import files
 from phalanx.checkpoint.export import export, open_checkpoint
 from phalanx.checkpoint.safe import SafeReader
 from phalanx.errors import PhalanxError
-from phalanx.session_checkpoint import shape_mismatch
+from phalanx.checkpoint.manager import shape_mismatch
 
 from conftest import run_phalanx
 

@@ -131,7 +131,7 @@ def test_raw_loop_applies_phalanxs_lr_rule(monkeypatch):
     from compare import raw_lr_args
 
     from phalanx.config.schema import OptimConfig
-    from phalanx.lr import LRScaling
+    from phalanx.runtime.lr import LRScaling
     from peers.common import lr_rule, parse_args
 
     for rule, warmup, start in (("linear", 5, None), ("sqrt", 3, 0.25), ("none", 0, None), ("linear", 0, None)):

@@ -14,7 +14,7 @@ import phalanx
 from _perf_workers import mlp, reference, run, train
 from phalanx import Config, ConfigError, Session
 from phalanx.checkpoint.export import export
-from phalanx.compute import Compute
+from phalanx.runtime.compute import Compute
 from phalanx.config.loader import load_config
 from phalanx.config.schema import ComputeConfig
 from phalanx.topology import LaunchContext

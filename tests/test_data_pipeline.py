@@ -12,14 +12,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-import phalanx.transfer as transfer_mod
+import phalanx.runtime.transfer as transfer_mod
 from phalanx.config.loader import load_config
 from phalanx.config.schema import DataConfig
-from phalanx.data import MAX_AUTO_WORKERS, auto_workers, shard_loader
+from phalanx.runtime.data import MAX_AUTO_WORKERS, auto_workers, shard_loader
 from phalanx.errors import ConfigError
 from phalanx.metrics.report import DATA_WAIT_HINT, data_wait_hint, report_run
-from phalanx.progress import Throughput, _status, track
-from phalanx.transfer import PlainTransfer, StreamTransfer, staged
+from phalanx.runtime.progress import Throughput, _status, track
+from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, staged
 
 CPU = torch.device("cpu")
 
@@ -28,7 +28,7 @@ def numbered(n: int = 40) -> TensorDataset:
     return TensorDataset(torch.arange(n), torch.arange(n) * 10)
 
 
-def sharded(data=None, *, workers: int = 0, batch_size: int = 4, device=CPU, **options) -> "phalanx.data.DeviceLoader":
+def sharded(data=None, *, workers: int = 0, batch_size: int = 4, device=CPU, **options) -> "phalanx.runtime.data.DeviceLoader":
     loader = DataLoader(data or numbered(), batch_size=batch_size, shuffle=True, num_workers=workers)
     return shard_loader(
         loader, train=True, rank=0, world_size=1, batch_size=batch_size, multiple_of=batch_size, seed=3, device=device, options=DataConfig(**options)
@@ -86,14 +86,14 @@ def test_loader_settings_reach_the_rebuilt_dataloader(monkeypatch):
     assert chosen.loader.pin_memory and chosen.non_blocking
     assert sharded(workers=2, num_workers=0).loader.num_workers == 0
 
-    monkeypatch.setattr("phalanx.data.cpu_count", lambda: 10)
+    monkeypatch.setattr("phalanx.runtime.data.cpu_count", lambda: 10)
     loader = DataLoader(numbered(), batch_size=4, shuffle=True)
     auto = shard_loader(loader, train=True, rank=0, world_size=1, batch_size=4, multiple_of=4, seed=0, device=CPU, options=DataConfig(num_workers="auto"), procs_per_node=3)
     assert auto.loader.num_workers == 2 and auto.loader.persistent_workers
 
 
 def test_session_passes_the_data_section_and_the_node_size(monkeypatch):
-    monkeypatch.setattr("phalanx.data.cpu_count", lambda: 10)
+    monkeypatch.setattr("phalanx.runtime.data.cpu_count", lambda: 10)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # what torchrun tells a rank about its node
     session = phalanx.Session(data={"num_workers": "auto", "pin_memory": False}, train={"progress": False})
     assert session.topology.local_world_size == 3

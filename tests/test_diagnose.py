@@ -20,7 +20,7 @@ from phalanx.diagnose.facts import UNLIMITED, Facts
 from phalanx.diagnose.links import expectation
 from phalanx.diagnose.nvidia import DriverView, Gpu, GpuProcess, ToolError, driver_view, parse_topology
 from phalanx.diagnose.report import doctor_json, env_report, env_text
-from phalanx.diagnose.units import GIB, MIB
+from phalanx.util.units import GIB, MIB
 from phalanx.errors import PhalanxError
 
 GPU_CHECKS = ["GPU visibility", "torch CUDA vs driver", "GPU topology", "peer-to-peer access", "other GPU processes"]

@@ -93,7 +93,7 @@ def test_preset_bf16_falls_back_to_fp32_without_native_bf16():
     tree = config.model_dump()
     tree["precision"]["mode"] = "bf16"
     preset = Config.model_validate(tree)
-    preset._sources.update({**config.sources, "precision.mode": SOURCE})
+    preset.record_sources({**config.sources, "precision.mode": SOURCE})
     fitted = fit_to_device(preset, torch.device("cpu"))
     assert fitted.precision.mode == "fp32" and fitted.sources["precision.mode"].startswith(SOURCE)
     assert preset.precision.mode == "bf16"  # a copy: the caller's config is left alone

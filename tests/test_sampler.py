@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.data import ShardedSampler
+from phalanx.runtime.data import ShardedSampler
 from phalanx.errors import PhalanxError
 
 

@@ -177,7 +177,7 @@ def test_launcher_set_lines_beat_code_even_with_an_explicit_config(monkeypatch):
 
 
 def test_evaluation_batches_of_dicts_with_text():
-    from phalanx.data import _batch_len
+    from phalanx.runtime.data import _batch_len
 
     assert _batch_len({"text": ["a", "b", "c"], "ids": torch.zeros(3, 5)}) == 3
     assert _batch_len({"text": ["a", "b"]}) == 2

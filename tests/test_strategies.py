@@ -73,7 +73,7 @@ def test_model_parallel_in_one_process_matches_plain_loop():
 
 def test_model_parallel_places_blocks_in_order_balanced_by_parameters():
     from phalanx.demo.gpt import TinyGPT
-    from phalanx.strategies.model_parallel import assign, placement_units
+    from phalanx.strategies.placement import assign, placement_units
 
     units = placement_units(TinyGPT(layers=6))
     names = [n for n, _ in units]
@@ -93,7 +93,7 @@ def test_model_parallel_refuses_several_processes():
 
 
 def test_model_parallel_refuses_weights_tied_across_devices():
-    from phalanx.strategies.model_parallel import refuse_shared_across
+    from phalanx.strategies.placement import refuse_shared_across
 
     embed = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)
@@ -144,7 +144,7 @@ def _data16():
 
 def test_pipeline_needs_a_sequential_model():
     from phalanx.strategies.pipeline import _split
-    from phalanx.strategies.model_parallel import placement_units
+    from phalanx.strategies.placement import placement_units
 
     units = placement_units(make_model())
     assert _split(units, 2, ["2"]) == [0, 0, 1, 1, 1]
@@ -181,7 +181,7 @@ def test_deferred_output_refuses_reads_and_finds_the_target():
 
 
 def test_pipeline_split_points_must_leave_no_stage_empty():
-    from phalanx.strategies.model_parallel import placement_units
+    from phalanx.strategies.placement import placement_units
     from phalanx.strategies.pipeline import _split
 
     units = placement_units(make_model())

@@ -17,7 +17,7 @@ from phalanx.bench.launching import LaunchRun
 from phalanx.cli.main import main
 from phalanx.config import Config
 from phalanx.errors import ConfigError
-from phalanx.memory_cap import MemoryCap
+from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.tune import search
 from phalanx.tune.config_file import edit_yaml, write_values
 from phalanx.tune.runner import TuneOptions

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from phalanx.version import __version__
 
 # Imported on first use: `import phalanx` stays cheap (no torch) for the worker bootstrap, which
 # must be able to leave quietly when interrupted while torch is still loading.

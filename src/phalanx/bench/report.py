@@ -8,10 +8,10 @@ import platform
 import torch
 from rich.table import Table
 
-from phalanx import __version__
+from phalanx.version import __version__
 from phalanx.bench.figures import Scaling
 from phalanx.diagnose.facts import torch_gpus
-from phalanx.diagnose.units import format_bytes
+from phalanx.util.units import format_bytes
 from phalanx.topology import cpu_count
 
 SPLIT_METHOD = (

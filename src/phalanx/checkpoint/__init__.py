@@ -1,5 +1,5 @@
 """Checkpoint files: atomic directories with a manifest, safe loading, RNG state, export.
 
-What a Session puts into a checkpoint is decided one layer up (``phalanx.session_checkpoint``);
+What a Session puts into a checkpoint is decided one layer up (``phalanx.checkpoint.manager``);
 this package only knows directories, files and tensors.
 """

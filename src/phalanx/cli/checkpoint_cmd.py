@@ -10,7 +10,7 @@ from rich.table import Table
 from phalanx.checkpoint.export import export, open_checkpoint
 from phalanx.cli.console import console
 from phalanx.checkpoint.files import describe_layout
-from phalanx.diagnose.units import format_bytes
+from phalanx.util.units import format_bytes
 
 
 def register(commands) -> None:

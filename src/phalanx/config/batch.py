@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.errors import ConfigError
-from phalanx.words import plural
+from phalanx.util.words import plural
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def fit_to_device(config, device: torch.device):
         if device.type != "cuda" or not torch.cuda.is_bf16_supported(including_emulation=False):
             fitted = config.model_copy(deep=True)
             fitted.precision.mode = "fp32"
-            fitted._sources["precision.mode"] = f"{config.sources['precision.mode']} (no native bf16: fp32)"
+            fitted.record_sources({"precision.mode": f"{config.sources['precision.mode']} (no native bf16: fp32)"})
             return fitted
     return config
 

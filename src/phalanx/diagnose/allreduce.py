@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.diagnose.units import parse_size
+from phalanx.util.units import parse_size
 from phalanx.errors import PhalanxError
 from phalanx.launch.spawn import spawn
 from phalanx.topology import Topology

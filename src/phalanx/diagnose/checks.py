@@ -8,7 +8,7 @@ from typing import Callable
 
 from phalanx.diagnose import gpus as g
 from phalanx.diagnose.facts import UNLIMITED, Facts
-from phalanx.diagnose.units import GIB, format_bytes
+from phalanx.util.units import GIB, format_bytes
 
 OK, WARNING, PROBLEM, SKIPPED = "ok", "warning", "problem", "skipped"
 STATUSES = (OK, WARNING, PROBLEM, SKIPPED)

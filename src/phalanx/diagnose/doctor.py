@@ -9,7 +9,7 @@ from phalanx.diagnose.allreduce import SizeResult
 from phalanx.diagnose.checks import OK, PROBLEM, SKIPPED, WARNING, Verdict, run_checks
 from phalanx.diagnose.facts import Facts, gather_facts
 from phalanx.diagnose.links import Expectation, expectation
-from phalanx.diagnose.units import MIB, format_bytes, format_rate, format_seconds
+from phalanx.util.units import MIB, format_bytes, format_rate, format_seconds
 from phalanx.errors import PhalanxError
 from phalanx.launch.devices import plan_devices
 from phalanx.topology import cpu_count

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from phalanx import __version__
+from phalanx.version import __version__
 from phalanx.diagnose.nvidia import DriverView, Gpu, Runner, driver_view, run_tool
 from phalanx.topology import cpu_count, distributed_env
 

@@ -10,7 +10,7 @@ from typing import Iterable
 
 from phalanx.diagnose.facts import Facts
 from phalanx.diagnose.nvidia import Gpu
-from phalanx.diagnose.units import format_bytes
+from phalanx.util.units import format_bytes
 
 
 def used_gpus(facts: Facts) -> list[Gpu]:

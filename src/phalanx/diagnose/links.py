@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from phalanx.diagnose import gpus as g
 from phalanx.diagnose.facts import Facts
-from phalanx.diagnose.units import format_rate
+from phalanx.util.units import format_rate
 
 NVLINK_PER_LINK = 25e9  # bytes/s one way per link: NVLink 2, 3 and 4 (V100, A100, H100/H200)
 NVLINK5_PER_LINK = 50e9  # Blackwell (compute capability 10 and up)

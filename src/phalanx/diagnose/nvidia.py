@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Callable
 
-from phalanx.diagnose.units import MIB
+from phalanx.util.units import MIB
 
 TOOL_TIMEOUT_S = 10.0
 QUERY_GPU = "index,name,memory.total,memory.used,driver_version,uuid,pcie.link.gen.max,pcie.link.width.max"

@@ -16,7 +16,7 @@ from phalanx.diagnose.allreduce import warmup_for
 from phalanx.diagnose.checks import OK, PROBLEM, SKIPPED, STATUSES, WARNING
 from phalanx.diagnose.doctor import DoctorReport, LiveResult
 from phalanx.diagnose.facts import UNLIMITED, Facts
-from phalanx.diagnose.units import format_bytes, format_rate, format_seconds
+from phalanx.util.units import format_bytes, format_rate, format_seconds
 
 STYLE = {OK: "green", WARNING: "yellow", PROBLEM: "bold red", SKIPPED: "dim"}
 

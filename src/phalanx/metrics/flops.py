@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from phalanx.tree import map_tensors
+from phalanx.util.tree import map_tensors
 
 # Dense (no structured sparsity) peak TFLOP/s per precision; SXM boards where a GPU comes in
 # several forms, unless the name says otherwise. First match wins, so narrower names come first.

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import PhalanxError
-from phalanx.recompute import apply_activation_checkpointing
+from phalanx.runtime.recompute import apply_activation_checkpointing
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -163,13 +162,3 @@ def _attempt_store(host: str, port: int, topology: Topology) -> dist.Store:
 def _nbytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's own shard
     return local.numel() * local.element_size()
-
-
-def rebuild_arguments(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's defaults that its class's constructor accepts (AdamW, for one, keeps
-    ``decoupled_weight_decay`` in its defaults but takes no such argument)."""
-    params = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in params}
-

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.unused import UnusedParameters
-from phalanx.words import plural
+from phalanx.util.words import plural
 
 _DDP_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 

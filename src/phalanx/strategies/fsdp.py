@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.modules import post_order, submodules_of
-from phalanx.strategies.base import Strategy, rebuild_arguments
-from phalanx.words import plural
+from phalanx.util.modules import post_order, submodules_of
+from phalanx.strategies.base import Strategy
+from phalanx.util.optim import rebuild_arguments
+from phalanx.util.words import plural
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

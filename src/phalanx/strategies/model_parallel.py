@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.transfer import to_device
+from phalanx.runtime.transfer import to_device
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
 
 
 class ModelParallel(Strategy):
@@ -54,42 +55,6 @@ class ModelParallel(Strategy):
     def describe(self) -> str:
         used = [str(d) for d in sorted({d for _, d in self.placement}, key=lambda d: (d.type, d.index or 0))] or [str(self.topology.device)]
         return f"model_parallel over {', '.join(used)} ({len(self.placement)} units)"
-
-
-def placement_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
-            units.extend((f"{name}.{i}", block) for i, block in enumerate(child))
-        else:
-            units.append((name, child))
-    return units
-
-
-def assign(units: list[tuple[str, nn.Module]], n_devices: int) -> list[int]:
-    """Device index per unit: contiguous runs in model order, each device taking about an equal
-    share of the parameters (a unit goes to the device where the cumulative share says it starts)."""
-    sizes = [sum(p.numel() for p in unit.parameters()) for _, unit in units]
-    total = sum(sizes) or 1
-    out, seen = [], 0
-    for size in sizes:
-        # The unit's midpoint decides, so one huge unit does not push all others off its device.
-        out.append(min(n_devices - 1, int((seen + size / 2) / total * n_devices)))
-        seen += size
-    return out
-
-
-def refuse_shared_across(units: list[tuple[str, nn.Module]], assignment: list[int]) -> None:
-    # A tied weight (say, input embedding and output layer) can live on one device only.
-    owner: dict[int, tuple[str, int]] = {}
-    for (name, unit), device in zip(units, assignment):
-        for param in unit.parameters():
-            first = owner.setdefault(id(param), (name, device))
-            if first[1] != device:
-                raise ConfigError(
-                    f"{first[0]} and {name} share a parameter but would sit on different devices or stages; "
-                    "untie the weights, or use fsdp"
-                )
 
 
 def _move_inputs(device: torch.device):

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.strategies.base import Strategy, rebuild_arguments
-from phalanx.words import plural
+from phalanx.strategies.base import Strategy
+from phalanx.util.optim import rebuild_arguments
+from phalanx.util.words import plural
 from phalanx.strategies.deferred import DeferredOutput
-from phalanx.strategies.model_parallel import refuse_shared_across, assign, placement_units
+from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
 
 
 class Pipeline(Strategy):

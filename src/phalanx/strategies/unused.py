@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.errors import PhalanxError
-from phalanx.words import plural
+from phalanx.util.words import plural
 
 # torch prints this from C++ (once per process) when the search finds every parameter used;
 # under auto that is the expected outcome of the first step, which phalanx then acts on.

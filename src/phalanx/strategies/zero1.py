@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.strategies.base import rebuild_arguments
-from phalanx.words import plural
+from phalanx.util.optim import rebuild_arguments
+from phalanx.util.words import plural
 from phalanx.strategies.ddp import DDP
 
 

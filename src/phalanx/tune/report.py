@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from phalanx.diagnose.units import format_bytes
+from phalanx.util.units import format_bytes
 from phalanx.tune.trials import OK, Trial
 
 TABLE_NOTE = (

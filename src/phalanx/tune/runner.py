@@ -22,7 +22,7 @@ from typing import Callable
 
 from phalanx.bench.launching import launch_command, quiet_overrides, run_launch
 from phalanx.config.sizes import size_bytes
-from phalanx.diagnose.units import format_bytes
+from phalanx.util.units import format_bytes
 from phalanx.errors import PhalanxError
 from phalanx.launch.launcher import LaunchPlan, LaunchRequest, new_run_dir, prepare
 from phalanx.strategies import strategy_class
@@ -30,7 +30,7 @@ from phalanx.topology import cpu_count
 from phalanx.tune import search
 from phalanx.tune.config_file import Written, write_values
 from phalanx.tune.trials import OK, OOM, Announced, Settings, Trial, announced, code_settings, conclude
-from phalanx.words import plural
+from phalanx.util.words import plural
 
 STAGES = ("micro-batch", "workers", "bucket")
 _BUCKET_STRATEGIES = ("ddp", "zero1")

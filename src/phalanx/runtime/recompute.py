@@ -8,7 +8,7 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from phalanx.modules import submodules_of
+from phalanx.util.modules import submodules_of
 
 
 def apply_activation_checkpointing(model: nn.Module, class_names: list[str], setting: str = "strategy.activation_checkpointing") -> int:

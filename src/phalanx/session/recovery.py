@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from phalanx import session_checkpoint
+from phalanx.checkpoint import manager as checkpoint_manager
 from phalanx.checkpoint import files as checkpoint_files
 from phalanx.config.schema import parse_period
 from phalanx.errors import PhalanxError
@@ -54,7 +54,7 @@ class Recovery:
             raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
         self.resume_checked = True  # a run that saved has started; never resume over it later
         with self._io():
-            path = session_checkpoint.save(session, self.root)
+            path = checkpoint_manager.save(session, self.root)
         self.agreement.saved()
         session.print(f"phalanx: saved checkpoint {path} (step {session.step_count})")
         return path
@@ -69,7 +69,7 @@ class Recovery:
                 raise PhalanxError(f"no checkpoint in '{self.root}' to load; pass a path, or save one first")
         self.resume_checked = True
         with self._io():
-            manifest = session_checkpoint.load(session, Path(path), weights_only=weights_only)
+            manifest = checkpoint_manager.load(session, Path(path), weights_only=weights_only)
         where = Path(manifest["path"])
         if weights_only:
             session.print(f"phalanx: loaded the weights of {where}")
@@ -94,7 +94,7 @@ class Recovery:
     def restore_rng(self) -> None:
         if self.pending_rng is not None:
             state, self.pending_rng = self.pending_rng, None
-            session_checkpoint.rng.restore(state, self.session.device)
+            checkpoint_manager.rng.restore(state, self.session.device)
 
     def ensure_resumed(self) -> None:
         """Before training starts: continue from a checkpoint when checkpoint.resume says so (and

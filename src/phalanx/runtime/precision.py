@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.config.schema import PrecisionConfig
-from phalanx.tree import map_tensors
+from phalanx.util.tree import map_tensors
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

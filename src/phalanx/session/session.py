@@ -35,16 +35,16 @@ from phalanx.config.loader import load_config, override_config
 from phalanx.config.preset import fit_to_device
 from phalanx.config.template import write_resolved
 from phalanx.config.schema import Config
-from phalanx.data import DeviceLoader, is_training_loader, shard_loader
+from phalanx.runtime.data import DeviceLoader, is_training_loader, shard_loader
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.lr import LRScaling
-from phalanx.memory_cap import MemoryCap
+from phalanx.runtime.lr import LRScaling
+from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.metrics.recorder import create_recorder
-from phalanx.compute import Compute
-from phalanx.precision import Precision
-from phalanx.progress import Throughput, track
-from phalanx.recompute import apply_activation_checkpointing
-from phalanx.recovery import Recovery
+from phalanx.runtime.compute import Compute
+from phalanx.runtime.precision import Precision
+from phalanx.runtime.progress import Throughput, track
+from phalanx.runtime.recompute import apply_activation_checkpointing
+from phalanx.session.recovery import Recovery
 from phalanx.strategies import create_strategy
 from phalanx.topology import LaunchContext, Topology
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import phalanx
+from phalanx.version import __version__
 from phalanx.checkpoint import files, rng
 from phalanx.errors import PhalanxError
 
@@ -204,7 +204,7 @@ def _manifest(session: "Session", shapes: list[dict[str, list[int]]], sizes: lis
         "format": files.FORMAT,
         "version": files.VERSION,
         "created": files.timestamp(),
-        "phalanx": phalanx.__version__,
+        "phalanx": __version__,
         "torch": torch.__version__,
         "step": session.step_count,
         "epoch": session.epoch,

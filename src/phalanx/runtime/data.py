@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
 from phalanx.topology import cpu_count
-from phalanx.transfer import PlainTransfer, StreamTransfer, Transfer, staged
-from phalanx.tree import map_tensors
+from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
+from phalanx.util.tree import map_tensors
 
 # `data.num_workers: auto` never goes above this: each worker holds its own copy of the dataset
 # object, and past a handful of workers most loaders are no longer the bottleneck.

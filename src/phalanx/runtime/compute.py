@@ -13,8 +13,8 @@ from torch import nn
 
 from phalanx.config.schema import ComputeConfig
 from phalanx.errors import ConfigError
-from phalanx.strategies.base import rebuild_arguments
-from phalanx.tree import map_tensors
+from phalanx.util.optim import rebuild_arguments
+from phalanx.util.tree import map_tensors
 
 class Compute:
     def __init__(self, config: ComputeConfig):

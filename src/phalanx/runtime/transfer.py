@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
-from phalanx.tree import map_tensors
+from phalanx.util.tree import map_tensors
 
 
 def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
