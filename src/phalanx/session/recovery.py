@@ -1,35 +1,48 @@
 """The Session's side of checkpoints and faults: when to resume and from where, when to save, what
-a SIGTERM or a hang does to this rank. The Session owns one and calls it at its hooks; what goes
-into a checkpoint is session_checkpoint's business."""
+a SIGTERM or a hang does to this rank. The Session owns one and calls it at its hooks, handing over
+what a checkpoint holds explicitly (``objects``); what goes into the files is checkpoint/manager's
+business."""
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
+import torch
 import torch.distributed as dist
 
-from phalanx.checkpoint import manager as checkpoint_manager
 from phalanx.checkpoint import files as checkpoint_files
-from phalanx.config.schema import parse_period
+from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
+from phalanx.config.schema import Config, parse_period
 from phalanx.errors import PhalanxError
 from phalanx.faults import markers
 from phalanx.faults.control import StepAgreement
 from phalanx.faults.preempt import TermWatch
 from phalanx.faults.watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from phalanx.session import Session
+from phalanx.session.state import TrainState
+from phalanx.topology import Topology
 
 
 class Recovery:
-    def __init__(self, session: "Session", comm_device):
-        self.session = session
-        config, topology = session.config, session.topology
-        self.run_dir = session.context.run_dir if session.context else None
+    """``objects``: what a checkpoint of the run holds now (models appear at setup());
+    ``say``: print on rank 0; ``on_loaded``: called after every successful load."""
+
+    def __init__(
+        self,
+        config: Config,
+        topology: Topology,
+        run_dir: str | None,
+        comm_device: torch.device,
+        checkpointer: Checkpointer,
+        state: TrainState,
+        objects: Callable[[], TrainingObjects],
+        say: Callable[[str], None],
+        on_loaded: Callable[[], None] = lambda: None,
+    ):
+        self.config, self.topology, self.run_dir = config, topology, run_dir
+        self.checkpointer, self.state, self.objects, self.say, self.on_loaded = checkpointer, state, objects, say, on_loaded
         self.resume_checked = False
-        self.pending_rng: dict | None = None  # restored when the next training pass starts
         faults = config.faults
         launched = topology.launched
         self.watchdog = Watchdog(faults.hang_timeout, topology.rank, self.run_dir, topology.restart_count) if launched and faults.hang_timeout > 0 else None
@@ -39,7 +52,7 @@ class Recovery:
 
     @property
     def root(self) -> Path:
-        return Path(self.session.config.checkpoint.dir)
+        return Path(self.config.checkpoint.dir)
 
     def beat(self) -> None:
         if self.watchdog is not None:
@@ -47,21 +60,21 @@ class Recovery:
 
     # -- saving and loading -------------------------------------------------------------------------
     def save(self) -> Path:
-        session = self.session
-        if session._micro:
+        if self.state.micro:
             raise PhalanxError("session.save() was called inside an accumulation window; call it after the `with session.accumulate(model):` block")
-        if not session._models:
+        objects = self.objects()
+        if not objects.models:
             raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
         self.resume_checked = True  # a run that saved has started; never resume over it later
         with self._io():
-            path = checkpoint_manager.save(session, self.root)
+            path = self.checkpointer.save(self.root, objects)
         self.agreement.saved()
-        session.print(f"phalanx: saved checkpoint {path} (step {session.step_count})")
+        self.say(f"phalanx: saved checkpoint {path} (step {self.state.step})")
         return path
 
     def load(self, path: str | Path | None, weights_only: bool) -> Path:
-        session = self.session
-        if not session._models:
+        objects = self.objects()
+        if not objects.models:
             raise PhalanxError("session.load() needs the model set up first: call session.setup(model, optimizer, ...) before it")
         if path is None:
             path = self.latest()
@@ -69,41 +82,35 @@ class Recovery:
                 raise PhalanxError(f"no checkpoint in '{self.root}' to load; pass a path, or save one first")
         self.resume_checked = True
         with self._io():
-            manifest = checkpoint_manager.load(session, Path(path), weights_only=weights_only)
+            manifest = self.checkpointer.load(Path(path), objects, weights_only=weights_only, say=self.say)
+        self.on_loaded()
         where = Path(manifest["path"])
         if weights_only:
-            session.print(f"phalanx: loaded the weights of {where}")
+            self.say(f"phalanx: loaded the weights of {where}")
         else:
-            session.print(f"phalanx: resumed from {where}: {_position_words(manifest)}")
+            self.say(f"phalanx: resumed from {where}: {_position_words(manifest)}")
         return where
 
     def latest(self, *, this_run: bool = False) -> Path | None:
         """The newest complete checkpoint (``this_run``: only one this launch wrote); rank 0 decides,
         so no rank sees a different 'latest'."""
-        session = self.session
-        found = checkpoint_files.latest(self.root) if session.is_main else None
+        found = checkpoint_files.latest(self.root) if self.topology.is_main else None
         if found is not None and this_run:
             if self.run_dir is None or checkpoint_files.read_manifest(found).get("run_dir") != self.run_dir:
                 found = None
-        if session.world_size > 1 and dist.is_initialized():
+        if self.topology.world_size > 1 and dist.is_initialized():
             box = [found]
             dist.broadcast_object_list(box, src=0)
             found = box[0]
         return found
 
-    def restore_rng(self) -> None:
-        if self.pending_rng is not None:
-            state, self.pending_rng = self.pending_rng, None
-            checkpoint_manager.rng.restore(state, self.session.device)
-
     def ensure_resumed(self) -> None:
         """Before training starts: continue from a checkpoint when checkpoint.resume says so (and
         always after torch elastic restarted the job)."""
-        session = self.session
-        if self.resume_checked or not session._models:
+        if self.resume_checked or not self.objects().models:
             return
         self.resume_checked = True
-        spec, restart = session.config.checkpoint.resume, session.topology.restart_count
+        spec, restart = self.config.checkpoint.resume, self.topology.restart_count
         if spec == "never" and not restart:
             return
         if spec == "auto" or restart:
@@ -113,33 +120,31 @@ class Recovery:
                 path = Path(spec)  # restarted before this launch saved: back to the given checkpoint
             if path is None:
                 if restart:
-                    session.print(f"phalanx: restart {restart}: no checkpoint in '{self.root}' yet; starting from the beginning")
+                    self.say(f"phalanx: restart {restart}: no checkpoint in '{self.root}' yet; starting from the beginning")
                 return
         else:
             path = Path(spec)
         if restart:
-            session.print(f"phalanx: restart {restart} after a failure")
+            self.say(f"phalanx: restart {restart} after a failure")
         self.load(path, weights_only=False)
 
     # -- at every optimizer step ----------------------------------------------------------------------
     def after_step(self) -> None:
-        session = self.session
         self.beat()
-        every = session.config.checkpoint.save_every
-        stop, timed = self.agreement.poll(session.step_count, bool(self.term and self.term.requested))
+        every = self.config.checkpoint.save_every
+        stop, timed = self.agreement.poll(self.state.step, bool(self.term and self.term.requested))
         if stop:
             self._stop_for_preemption()
-        if timed or (isinstance(every, int) and session.step_count % every == 0):
+        if timed or (isinstance(every, int) and self.state.step % every == 0):
             self.save()
 
     def _stop_for_preemption(self) -> None:
-        session = self.session
         path = self.save()
         record = markers.path(self.run_dir, markers.PREEMPTED)
-        if session.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
-            checkpoint_files.write_json_atomic(record, {"step": session.step_count, "checkpoint": str(path.resolve())})
+        if self.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
+            checkpoint_files.write_json_atomic(record, {"step": self.state.step, "checkpoint": str(path.resolve())})
         if record is None:  # under phalanx launch, the launcher says it once for the job
-            session.print(f"phalanx: pre-empted: checkpoint {path} written at step {session.step_count}; launch again to resume")
+            self.say(f"phalanx: pre-empted: checkpoint {path} written at step {self.state.step}; launch again to resume")
         raise SystemExit(markers.PREEMPTED_EXIT)
 
     def close(self) -> None:

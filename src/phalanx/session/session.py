@@ -44,7 +44,9 @@ from phalanx.runtime.compute import Compute
 from phalanx.runtime.precision import Precision
 from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
+from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
 from phalanx.session.recovery import Recovery
+from phalanx.session.state import TrainState
 from phalanx.strategies import create_strategy
 from phalanx.topology import LaunchContext, Topology
 
@@ -80,11 +82,9 @@ class Session:
             # Refuse an impossible batch now rather than at setup(); setup() may refine it.
             self.batch = plan_batch(self.strategy.data_parallel_size, config.batch.global_batch_size, config.batch.micro_batch_size)
         self.lr_scaling: LRScaling | None = None
-        self.step_count = 0  # optimizer steps taken
-        self.epoch = 0
+        self.state = TrainState(self.device)  # step, epoch, micro-step, data positions, RNG
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
         self.last_throughput: Throughput | None = None
-        self._micro = 0  # micro-steps into the current global batch
         self._in_accumulate = False
         self._in_step = False
         self._unscaled = False
@@ -96,7 +96,11 @@ class Session:
         self._active_loader: DeviceLoader | None = None
         self._closed = False
         self._set_up = False
-        self.recovery = Recovery(self, self._comm_device())
+        run_dir = self.context.run_dir if self.context else None
+        checkpointer = Checkpointer(self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last)
+        self.recovery = Recovery(
+            config, self.topology, run_dir, self._comm_device(), checkpointer, self.state, self._checkpointed, self.print, self._mark_schedulers
+        )
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
 
@@ -116,6 +120,15 @@ class Session:
     @property
     def is_main(self) -> bool:
         return self.topology.is_main
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (restored by a resume)."""
+        return self.state.step
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
 
     @property
     def accumulation_steps(self) -> int:
@@ -194,7 +207,8 @@ class Session:
         wrapped.on_wait = self.metrics.add_wait if train else None
         if train:
             wrapped.on_start = lambda _: self.recovery.ensure_resumed()
-            wrapped.on_iterating = lambda _: self.recovery.restore_rng()
+            wrapped.on_iterating = lambda _: self.state.restore_rng()
+            self.state.add_loader(wrapped)
         self._loaders.append(wrapped)
         return wrapped
 
@@ -234,7 +248,7 @@ class Session:
         def zero_grad(set_to_none: bool = True) -> None:
             # Harmless at a global-batch boundary (gradients are already cleared); fatal when it
             # would drop the gradients of earlier micro-steps of this global batch.
-            earlier = self._micro - (1 if self._in_accumulate else 0)
+            earlier = self.state.micro - (1 if self._in_accumulate else 0)
             if earlier > 0 and not self._in_step:
                 raise PhalanxError(
                     "optimizer.zero_grad() was called in the middle of an accumulation window and would drop gradients; "
@@ -275,14 +289,14 @@ class Session:
         """Yield epoch numbers, reshuffling every training loader (``set_epoch``) for each."""
         total = self.config.train.epochs if epochs is None else epochs
         self.recovery.ensure_resumed()
-        for epoch in range(self.epoch, total):
-            self.epoch = epoch
+        for epoch in range(self.state.epoch, total):
+            self.state.epoch = epoch
             for loader in self._loaders:
                 loader.set_epoch(epoch)
             yield epoch
-            if self._micro:
+            if self.state.micro:
                 self._discard_partial_window()
-        self.epoch = total
+        self.state.epoch = total
 
     def progress(self, loader: DeviceLoader | DataLoader, description: str | None = None) -> Iterator[Any]:
         """Iterate ``loader``; rank 0 draws a bar with loss and global samples/s."""
@@ -315,8 +329,8 @@ class Session:
         if not self.recovery.resume_checked:
             self.recovery.ensure_resumed()
         self.recovery.beat()
-        self._micro += 1
-        self.sync_gradients = self._micro >= self.accumulation_steps
+        self.state.micro += 1
+        self.sync_gradients = self.state.micro >= self.accumulation_steps
         self._in_accumulate = True
         try:
             with contextlib.nullcontext() if self.sync_gradients else self.strategy.no_sync(model):
@@ -376,7 +390,7 @@ class Session:
                     for group, lr in zip(opt.param_groups, lrs):
                         group["lr"] = lr
             if stepped:
-                self.step_count += 1
+                self.state.step += 1
                 with warnings.catch_warnings():
                     # A sharding strategy steps a new optimizer built on the scheduler's param
                     # groups; torch cannot see that the step came first, phalanx guarantees it.
@@ -384,14 +398,14 @@ class Session:
                     warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning)
                     for sched, _ in self._schedulers:
                         sched.step()
-                self._schedulers = [(sched, sched.last_epoch) for sched, _ in self._schedulers]
+                self._mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
             lr = base[0][0] * multiplier if base else None
             self.metrics.record(stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr)
         finally:
             self._in_step = False
-            self._micro = 0
+            self.state.micro = 0
             self._unscaled = False
         if self.memory_cap is not None:
             self.memory_cap.check()  # the optimizer's state appears at its first step
@@ -400,8 +414,8 @@ class Session:
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
         # synchronised, so stepping on them would let ranks diverge.
-        self.print(f"phalanx: dropping {self._micro} micro-step(s) that did not complete a global batch at the end of the epoch")
-        self._micro = 0  # first, so the zero_grad guard sees a deliberate reset
+        self.print(f"phalanx: dropping {self.state.micro} micro-step(s) that did not complete a global batch at the end of the epoch")
+        self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
 
@@ -495,8 +509,32 @@ class Session:
         must call it, after setup(). ``weights_only``: only the models' weights (e.g. to fine-tune)."""
         return self.recovery.load(path, weights_only)
 
-    def _train_loaders(self) -> list[DeviceLoader]:
-        return [loader for loader in self._loaders if loader.train]
+    def _checkpointed(self) -> TrainingObjects:
+        batch = self.batch
+        return TrainingObjects(
+            models=self._models,
+            optimizers=self._optimizers,
+            schedulers=[sched for sched, _ in self._schedulers],
+            state=self.state,
+            precision=self.precision,
+            internal_steps=self._internal_steps,
+            facts={"global_batch_size": batch.global_batch_size if batch else None, "precision": self.precision.mode},
+        )
+
+    def _mark_schedulers(self) -> None:
+        # What each scheduler's counter is after phalanx stepped (or a checkpoint set) it; any other
+        # change is the user's own scheduler.step().
+        self._schedulers = [(sched, sched.last_epoch) for sched, _ in self._schedulers]
+
+    @contextlib.contextmanager
+    def _internal_steps(self) -> Iterator[None]:
+        # torch's checkpoint helpers may call optimizer.step() once with zero lr to create the
+        # optimizer state they fill; the guard against stray steps must let that through.
+        previous, self._in_step = self._in_step, True
+        try:
+            yield
+        finally:
+            self._in_step = previous
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self, *, sync: bool = True) -> None:

@@ -1,0 +1,71 @@
+"""The training state object on its own: counters, loader positions and RNG through
+state_dict()/load_state_dict(), without a Session or a process group."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from phalanx.session.state import TrainState
+
+
+class FakeLoader:
+    def __init__(self, epoch: int = 0, position: int | None = None):
+        self.epoch, self.position = epoch, position
+
+    def resume_at(self, epoch: int, position: int | None) -> None:
+        self.epoch, self.position = epoch, position
+
+
+def test_round_trip_restores_counters_and_positions():
+    saved = TrainState(torch.device("cpu"))
+    saved.step, saved.epoch, saved.micro = 7, 2, 1
+    saved.add_loader(FakeLoader(2, 48))
+    state = saved.state_dict()
+    assert (state["step"], state["epoch"], state["data"]) == (7, 2, [{"epoch": 2, "position": 48}])
+
+    fresh = TrainState(torch.device("cpu"))
+    loader = FakeLoader()
+    fresh.add_loader(loader)
+    fresh.micro = 3
+    fresh.load_state_dict(state)
+    assert (fresh.step, fresh.epoch, fresh.micro) == (7, 2, 0)
+    assert (loader.epoch, loader.position) == (2, 48)
+
+
+def test_rng_waits_for_the_next_training_pass():
+    saved = TrainState(torch.device("cpu"))
+    saved.add_loader(FakeLoader())
+    torch.manual_seed(1)
+    random.seed(1)
+    state = saved.state_dict()
+    expected = (torch.rand(3), random.random())
+
+    fresh = TrainState(torch.device("cpu"))
+    fresh.add_loader(FakeLoader())
+    fresh.load_state_dict(state)
+    torch.manual_seed(99)  # what the loader's first draw would see is not the checkpoint's state yet
+    fresh.restore_rng()
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    torch.manual_seed(5)
+    fresh.restore_rng()  # only once: a second pass does not rewind the generators
+    assert not torch.equal(torch.rand(3), expected[0])
+
+
+def test_without_a_training_loader_rng_is_restored_at_once():
+    torch.manual_seed(3)
+    state = TrainState(torch.device("cpu")).state_dict()
+    expected = torch.rand(2)
+    torch.manual_seed(4)
+    TrainState(torch.device("cpu")).load_state_dict(state)
+    assert torch.equal(torch.rand(2), expected)
+
+
+def test_a_checkpoint_of_another_process_count_leaves_rng_alone():
+    state = {**TrainState(torch.device("cpu")).state_dict(), "rng": None}
+    torch.manual_seed(6)
+    expected = torch.rand(2)
+    torch.manual_seed(6)
+    TrainState(torch.device("cpu")).load_state_dict(state)
+    assert torch.equal(torch.rand(2), expected)
