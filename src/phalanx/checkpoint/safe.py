@@ -17,18 +17,17 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from phalanx._torch_compat import DCP_METADATA_PRIVATE_GLOBALS, dcp_set_element
 from phalanx.errors import PhalanxError
 
-_METADATA_CLASSES = {
+_METADATA_CLASSES = DCP_METADATA_PRIVATE_GLOBALS | {
     ("torch.distributed.checkpoint.metadata", name)
     for name in (
         "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "MetadataIndex", "StorageMeta",
     )
 } | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"),
     ("pathlib", "Path"),
@@ -93,8 +92,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             raise PhalanxError(f"a checkpoint entry ({read_item.dest_index.fqn}) holds Python objects phalanx does not unpickle: {str(err).splitlines()[0]}") from None
         if self.flatten_state_dict:
             # torch's own helper for the nested layout (what the stock planner calls here).
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from phalanx._torch_compat import view_base
 from phalanx.errors import PhalanxError
 from phalanx.runtime.recompute import apply_activation_checkpointing
 
@@ -111,7 +112,8 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor, precision: str, device: str)
     def pack(t: torch.Tensor):
         # Parameters (and views of them) saved for backward are model state, not activations;
         # a tensor saved twice is stored once.
-        base = t._base if t._base is not None else t
+        base = view_base(t)
+        base = t if base is None else base
         if id(t) in param_ids or id(base) in param_ids:
             return t
         if device != "meta" and t.untyped_storage().data_ptr() in param_storages:

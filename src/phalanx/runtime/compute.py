@@ -5,12 +5,12 @@ Session calls it around the strategy's wrapping, in the order each knob needs.""
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from phalanx._torch_compat import compiled_original, foreach_kernel_devices, fused_kernel_devices
 from phalanx.config.schema import ComputeConfig
 from phalanx.errors import ConfigError
 from phalanx.util.optim import rebuild_arguments
@@ -40,10 +40,8 @@ class Compute:
         Compiling before DDP wraps the model makes the whole backward one graph, so DDP's
         all-reduces cannot start until it ends; and the compiled wrapper's ``_orig_mod.`` prefix
         would end up in every checkpoint. phalanx compiles after wrapping instead."""
-        # Without torch._dynamo imported nothing can have been compiled (and importing it costs time).
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        original = getattr(model, "_orig_mod", None)
-        if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule) and isinstance(original, nn.Module):
+        original = compiled_original(model)
+        if original is not None:
             self.notes.append(
                 "phalanx: the model passed to setup() was already compiled; phalanx compiles it again after wrapping it "
                 f"(mode {self.config.compile_mode}), so set compute.compile: true instead of calling torch.compile yourself"
@@ -147,19 +145,15 @@ def _keep_on_load(optimizer: torch.optim.Optimizer, flags: dict[str, bool]) -> N
 def _foreach_native(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every parameter is on a device with native foreach kernels (CUDA, not CPU: measured
     on CPU, foreach is no faster than the loop, which is why PyTorch keeps the loop there)."""
-    from torch.optim.optimizer import _get_foreach_kernels_supported_devices
-
-    devices = _get_foreach_kernels_supported_devices()
+    devices = foreach_kernel_devices()
     return all(p.device.type in devices for group in optimizer.param_groups for p in group["params"])
 
 
 def _fusable(optimizer: torch.optim.Optimizer) -> str | None:
     """Why torch's fused kernels cannot take this optimizer's parameters (None: they can)."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
     if optimizer.defaults.get("differentiable"):
         return "a differentiable optimizer has no fused implementation"
-    devices = _get_fused_kernels_supported_devices()
+    devices = fused_kernel_devices()
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.device.type not in devices or not torch.is_floating_point(p):

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from phalanx._torch_compat import sampler_has_custom_num_samples
 from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
 from phalanx.topology import cpu_count
@@ -262,7 +263,7 @@ def auto_workers(cpus: int, procs_per_node: int) -> int:
 def _shuffles(loader: DataLoader) -> bool:
     sampler = loader.sampler
     if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler._num_samples is not None:
+        if sampler.replacement or sampler_has_custom_num_samples(sampler):
             raise PhalanxError(
                 "the DataLoader's RandomSampler draws with replacement or a custom num_samples, which phalanx cannot split "
                 "over processes exactly; use shuffle=True without a custom sampler"

@@ -12,13 +12,14 @@ from typing import Any, Callable
 
 import torch
 
+from phalanx._torch_compat import make_subclass
 from phalanx.errors import PhalanxError
 
 
 class DeferredOutput(torch.Tensor):
     @staticmethod
     def __new__(cls, inputs: tuple, chain: tuple = ()):
-        out = torch.Tensor._make_subclass(cls, torch.empty(0, device="meta"))
+        out = make_subclass(cls, torch.empty(0, device="meta"))
         out.inputs = inputs  # the model's arguments: stage 0 feeds them to the pipeline
         out.chain = chain  # ((func, args after the first, kwargs), ...)
         out.value = None  # the loss, once session.backward() has run the pipeline

@@ -11,6 +11,15 @@ parameters got no gradient on some rank. None: the reducer is rebuilt without th
 place, so the module the user holds stays the same object (same parameters, same gradients,
 bit for bit). Some: the search stays on and rank 0 names them once.
 
+Why in place, through DDP's private construction path (phalanx._torch_compat), rather than a
+second, public ``DistributedDataParallel`` around the same module: Session.setup returned the
+first wrapper, which the user calls, whose ``no_sync`` the Session enters and which compute.compile
+compiled in place. A second wrapper is another object, so the first would have to forward to it
+while its reducer, autograd hooks and gradient buckets (one more copy of the gradients) stay
+alive: DDP has no public way to release them. benchmarks/unused_switch.py measures both: the same
+step time afterwards; the switch under 1 ms in place, 27-35 ms as a new wrapper (whose constructor
+broadcasts every parameter again) on a 3.4M-parameter MLP.
+
 After the switch, a step that leaves a parameter without gradient is caught right after that
 backward and turned into one phalanx error naming the fix, instead of DDP's error a step later.
 """
@@ -27,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from phalanx import _torch_compat as compat
 from phalanx.errors import PhalanxError
 from phalanx.util.words import plural
 
@@ -44,7 +54,7 @@ class UnusedParameters:
         self.setting = setting
         self.comm_device = comm_device
         self.is_main = is_main
-        params, _ = ddp._build_params_for_reducer()  # exactly the parameters the reducer waits for
+        params = compat.ddp_reducer_parameters(ddp)  # exactly the parameters the reducer waits for
         self.params = params
         names = {id(p): name for name, p in ddp.module.named_parameters()}
         self.names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
@@ -55,22 +65,27 @@ class UnusedParameters:
         self._armed = False  # a synchronised forward happened; its backward decides
         self._seen: set[int] = set()
         self._hooks: list[Any] = []
+        if self.pending and not (
+            compat.ddp_can_rebuild_reducer(ddp) and compat.ddp_intercept_post_forward(ddp, self._post_forward)
+        ):
+            self.pending = False  # this torch cannot switch the search off later: DDP keeps it, as with true
+            if is_main:
+                print(
+                    f"phalanx: this torch ({torch.__version__}) cannot turn DDP's search for unused parameters "
+                    "off after the first step, so it searches every step (slower); set "
+                    "strategy.ddp.find_unused_parameters: false if every parameter gets a gradient, "
+                    "or true to silence this.",
+                    flush=True,
+                )
         if self.pending:
             self._hooks = [p.register_post_accumulate_grad_hook(self._saw(i)) for i, p in enumerate(params)]
-        if setting == "auto" and not ddp.static_graph:
-            ddp._post_forward = self._post_forward  # per instance; DDP.forward calls self._post_forward
 
     # -- forward: arm the probe, keep torch's notice about the search quiet ---------------------
     def _post_forward(self, output: Any) -> Any:
         ddp = self.ddp
         if self.pending and torch.is_grad_enabled() and ddp.require_backward_grad_sync:
             self._armed, self._seen = True, set()
-        reducer = ddp.reducer
-        ddp.reducer = _QuietSearch(reducer)
-        try:
-            return DistributedDataParallel._post_forward(ddp, output)
-        finally:
-            ddp.reducer = reducer
+        return compat.ddp_post_forward(ddp, output, _without_notice)
 
     def _saw(self, index: int):
         def hook(_param: torch.Tensor) -> None:
@@ -105,67 +120,37 @@ class UnusedParameters:
         if self.unused:
             if self.is_main:
                 print(
-                    f"phalanx: {plural(len(self.unused), 'parameter')} got no gradient in the first step ({_listed(self.unused)}); "
-                    "DDP will look for unused parameters every step (slower). Remove them from the model, "
-                    "or set strategy.ddp.find_unused_parameters: true to silence this.",
+                    f"phalanx: {plural(len(self.unused), 'parameter')} got no gradient in the first step "
+                    f"({_listed(self.unused)}); DDP will look for unused parameters every step (slower). "
+                    "Remove them from the model, or set strategy.ddp.find_unused_parameters: true to silence this.",
                     flush=True,
                 )
             return
-        del self.ddp._post_forward  # back to DDP's own method
-        rebuild_reducer(self.ddp, find_unused_parameters=False)
+        compat.ddp_restore_post_forward(self.ddp)  # back to DDP's own method
+        compat.ddp_rebuild_reducer(self.ddp, find_unused_parameters=False)
         self.checked = True
 
     def _check(self) -> None:
-        try:
-            self.ddp.reducer._check_reducer_finalized()
-        except RuntimeError:
-            missing = [name for name, p in zip(self.names, self.params) if p.grad is None]
-            which = f" ({_listed(missing)})" if missing else ""
-            if self.setting == "auto":
-                raise PhalanxError(
-                    f"a parameter got no gradient in this step{which}, although every parameter had one in the first step, "
-                    "after which phalanx turned DDP's search for unused parameters off; set strategy.ddp.find_unused_parameters: true"
-                ) from None
+        if compat.ddp_reducer_finalized(self.ddp) is not False:
+            return  # finished, or a torch that cannot tell: DDP's own error then comes a step later
+        missing = [name for name, p in zip(self.names, self.params) if p.grad is None]
+        which = f" ({_listed(missing)})" if missing else ""
+        if self.setting == "auto":
             raise PhalanxError(
-                f"a parameter got no gradient in this step{which}, and strategy.ddp.find_unused_parameters is false; "
-                "set it to auto (or true), or make every parameter take part in the loss"
-            ) from None
-
-
-def rebuild_reducer(ddp: DistributedDataParallel, *, find_unused_parameters: bool) -> None:
-    """Give ``ddp`` a new reducer with another unused-parameter mode, keeping the module, its
-    parameters and their gradients (with gradient_as_bucket_view, the new buckets take the
-    current gradients over). Uses DDP's own construction path, as its ``_update_process_group``
-    does for a new group; registered communication hooks are registered again."""
-    ddp._remove_autograd_hooks()
-    ddp.find_unused_parameters = find_unused_parameters
-    params, expect_sparse = ddp._build_params_for_reducer()
-    ddp._ddp_init_helper(params, expect_sparse, ddp._build_debug_param_to_name_mapping(params), ddp.static_graph)
-    ddp._has_rebuilt_buckets = False
-    hooks, ddp._comm_hooks = ddp._comm_hooks, []
-    for hook, state in hooks:
-        ddp.register_comm_hook(state, hook)
-
-
-class _QuietSearch:
-    """DDP's reducer, for the duration of one ``_post_forward``: its graph search runs with torch's
-    C++ notice about finding nothing filtered out of stderr; everything else passes through."""
-
-    def __init__(self, reducer: Any):
-        self._reducer = reducer
-
-    def prepare_for_backward(self, outputs: list[torch.Tensor]) -> None:
-        with _without_notice():
-            self._reducer.prepare_for_backward(outputs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._reducer, name)
+                f"a parameter got no gradient in this step{which}, although every parameter had one in the first step, "
+                "after which phalanx turned DDP's search for unused parameters off; "
+                "set strategy.ddp.find_unused_parameters: true"
+            )
+        raise PhalanxError(
+            f"a parameter got no gradient in this step{which}, and strategy.ddp.find_unused_parameters is false; "
+            "set it to auto (or true), or make every parameter take part in the loss"
+        )
 
 
 @contextlib.contextmanager
 def _without_notice() -> Iterator[None]:
-    """Collect what C++ writes to file descriptor 2 during the (short, collective-free) search,
-    then write it back without torch's notice."""
+    """Collect what C++ writes to file descriptor 2 during DDP's (short, collective-free) graph
+    search, then write it back without torch's notice about finding nothing."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
