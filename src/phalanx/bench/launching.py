@@ -1,4 +1,5 @@
-"""Short ``phalanx launch`` runs in a subprocess, for ``phalanx bench`` and ``phalanx tune``.
+"""Short ``phalanx launch`` runs in a subprocess, for ``phalanx bench`` and ``phalanx tune``: the
+options both take (:class:`TrialOptions`), and one launch run to its end or stopped after its steps.
 
 Each run is a ``python -m phalanx launch`` subprocess rather than an in-process launch: its output
 (progress, rank 0's prints, failure summaries) goes to its own ``launch.log`` instead of the
@@ -8,6 +9,7 @@ launch stays in the caller's process group, so a Ctrl-C at the terminal reaches 
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +20,8 @@ from typing import Mapping, Sequence
 
 from phalanx.bench.figures import steps_recorded
 from phalanx.config.schema import Config
+from phalanx.errors import PhalanxError
+from phalanx.launch.launcher import LaunchRequest
 
 _POLL_S = 0.25
 _INTERRUPT_GRACE_S = 3  # a terminal Ctrl-C reached the launch too; give it this long to notice
@@ -37,6 +41,97 @@ class LaunchRun:
     def complete(self) -> bool:
         """Ended by itself without error, or was stopped after its steps."""
         return self.returncode == 0 or self.stopped
+
+
+@dataclass(frozen=True)
+class TrialOptions:
+    """What bench and tune both take: the script (or the demo), its config, and how many steps
+    each launch runs and how many of them are warm-up."""
+
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    demo: bool = False
+    config_file: str | None = None
+    overrides: tuple[str, ...] = ()
+    steps: int = 20
+    warmup: int = 5
+    cpu: bool = False
+    run_dir: str | None = None
+
+    def target(self, verb: str) -> tuple[str, tuple[str, ...], int | None]:
+        """Script, its arguments, and the step count at which a launch is stopped (None: it stops
+        itself); ``verb`` names the command in errors."""
+        if self.demo and self.script:
+            raise PhalanxError("give either a script or --demo, not both")
+        if self.demo:
+            from phalanx.demo import TRAIN_SCRIPT
+
+            # The demo ends itself after --steps steps; a script of the user's is stopped from outside.
+            return TRAIN_SCRIPT, ("--max-steps", str(self.steps)), None
+        if not self.script:
+            raise PhalanxError(f"give the training script to {verb}, or --demo for the built-in example")
+        return self.script, tuple(self.script_args), self.steps
+
+    def check_steps(self) -> None:
+        if self.steps < 1 or self.warmup < 0 or self.warmup >= self.steps:
+            raise PhalanxError(
+                f"--steps must be at least 1 and above --warmup; got --steps {self.steps} --warmup {self.warmup}"
+            )
+
+    def request(
+        self, script: str, script_args: Sequence[str], nproc: int | None, extra: Sequence[str] = ()
+    ) -> LaunchRequest:
+        """The launch of one trial, for ``prepare`` to check before any process starts."""
+        return LaunchRequest(
+            script=script,
+            script_args=tuple(script_args),
+            config_file=self.config_file,
+            overrides=(*self.overrides, *extra),
+            nproc=nproc,
+            cpu=self.cpu,
+            run_dir=self.run_dir,
+        )
+
+    def launch(
+        self,
+        script: str,
+        script_args: Sequence[str],
+        *,
+        nproc: int,
+        parent: Path,
+        extra: Sequence[str] = (),
+        cap: int | None,
+        env: Mapping[str, str] | None = None,
+    ) -> LaunchRun:
+        """One trial launch under ``parent``, with the options' --set values and then ``extra``."""
+        command = launch_command(
+            script,
+            script_args,
+            nproc=nproc,
+            parent=parent,
+            cpu=self.cpu,
+            config_file=self.config_file,
+            overrides=(*self.overrides, *extra),
+        )
+        return run_launch(command, parent, cap, env)
+
+    def command_line(
+        self, command: str, *, first: Sequence[str] = (), middle: Sequence[str] = (), last: Sequence[str] = ()
+    ) -> str:
+        """The command line that repeats this one: the command's own flags go ``first`` (before
+        --steps), in the ``middle`` (after --warmup) or ``last`` (before --cpu)."""
+        parts = ["phalanx", command, *first, "--steps", str(self.steps), "--warmup", str(self.warmup), *middle]
+        for override in self.overrides:
+            parts += ["--set", override]
+        if self.config_file:
+            parts += ["--config", self.config_file]
+        if self.run_dir:
+            parts += ["--run-dir", self.run_dir]
+        parts += last
+        if self.cpu:
+            parts.append("--cpu")
+        parts += ["--demo"] if self.demo else [self.script or "", *self.script_args]
+        return shlex.join(parts)
 
 
 def quiet_overrides(config: Config, parent: Path) -> tuple[str, ...]:

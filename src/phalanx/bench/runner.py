@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from phalanx.bench.chart import have_matplotlib, write_chart
 from phalanx.bench.figures import RunFigures, Scaling, read_metrics, run_figures, scaling
-from phalanx.bench.launching import failure_reason, launch_command, quiet_overrides, run_launch
+from phalanx.bench.launching import TrialOptions, failure_reason, quiet_overrides
 from phalanx.bench.reading import reading
 from phalanx.bench.report import bench_json, machine_facts, machine_label
 from phalanx.errors import PhalanxError
-from phalanx.launch.launcher import LaunchRequest, new_run_dir, prepare
+from phalanx.launch.launcher import new_run_dir, prepare
 from phalanx.topology import cpu_count, user_omp_threads
 
 
@@ -28,34 +27,13 @@ class RunFailed(PhalanxError):
 
 
 @dataclass(frozen=True)
-class BenchOptions:
-    script: str | None = None
-    script_args: tuple[str, ...] = ()
-    demo: bool = False
+class BenchOptions(TrialOptions):
     nproc_list: str | None = None
     steps: int = 30
-    warmup: int = 5
-    overrides: tuple[str, ...] = ()
-    config_file: str | None = None
-    run_dir: str | None = None
-    cpu: bool = False
 
     def command(self) -> str:
         """The command line that repeats this bench."""
-        parts = ["phalanx", "bench"]
-        if self.nproc_list:
-            parts += ["--nproc-list", self.nproc_list]
-        parts += ["--steps", str(self.steps), "--warmup", str(self.warmup)]
-        for override in self.overrides:
-            parts += ["--set", override]
-        if self.config_file:
-            parts += ["--config", self.config_file]
-        if self.run_dir:
-            parts += ["--run-dir", self.run_dir]
-        if self.cpu:
-            parts.append("--cpu")
-        parts += ["--demo"] if self.demo else [self.script or "", *self.script_args]
-        return shlex.join(parts)
+        return self.command_line("bench", first=["--nproc-list", self.nproc_list] if self.nproc_list else [])
 
 
 @dataclass(frozen=True)
@@ -82,14 +60,13 @@ def parse_nproc_list(text: str | None, most: int) -> list[int]:
 
 
 def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> BenchResult:
-    script, script_args = _target(options)
-    if options.steps < 1 or options.warmup < 0 or options.warmup >= options.steps:
-        raise PhalanxError(f"--steps must be at least 1 and above --warmup; got --steps {options.steps} --warmup {options.warmup}")
-    base = prepare(_request(options, script, script_args, None, ()))
+    script, script_args, cap = options.target("bench")
+    options.check_steps()
+    base = prepare(options.request(script, script_args, None))
     counts = parse_nproc_list(options.nproc_list, base.devices.nproc)
     configured_batch = base.config.batch.global_batch_size
     for n in counts:  # every count is checked before any process starts
-        prepare(_request(options, script, script_args, n, _weak_scaling(configured_batch, n)))
+        prepare(options.request(script, script_args, n, _weak_scaling(configured_batch, n)))
 
     directory = new_run_dir(Path(options.run_dir or base.config.launch.run_dir).resolve(), "bench")
     directory.mkdir(parents=True)
@@ -104,7 +81,7 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
         batch = figures[0].global_batch if figures else None
         overrides = (*quiet_overrides(base.config, directory / f"n{n}"), *_weak_scaling(batch, n))
         name = f"the {n}-{unit} run"
-        run_dir, seconds = _run_one(options, script, script_args, n, overrides, directory / f"n{n}", name, threads)
+        run_dir, seconds = _run_one(options, script, script_args, cap, n, overrides, directory / f"n{n}", name, threads)
         run_dirs[n] = str(run_dir)
         figures.append(run_figures(n, read_metrics(_metrics_dir(run_dir, name)), options.warmup, f"{name} ({run_dir})", options.steps))
         say(f"phalanx: {name}: {figures[-1].samples_per_s:,.0f} samples/s, {seconds:.0f}s, run dir {run_dir}")
@@ -133,31 +110,6 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     return BenchResult(directory, rows, device, text, chart)
 
 
-def _target(options: BenchOptions) -> tuple[str, tuple[str, ...]]:
-    if options.demo and options.script:
-        raise PhalanxError("give either a script or --demo, not both")
-    if options.demo:
-        from phalanx.demo import TRAIN_SCRIPT
-
-        # The demo ends itself after --steps steps; a script of the user's is stopped from outside.
-        return TRAIN_SCRIPT, ("--max-steps", str(options.steps))
-    if not options.script:
-        raise PhalanxError("give the training script to bench, or --demo for the built-in example")
-    return options.script, tuple(options.script_args)
-
-
-def _request(options: BenchOptions, script: str, script_args, nproc: int | None, extra: tuple[str, ...]) -> LaunchRequest:
-    return LaunchRequest(
-        script=script,
-        script_args=script_args,
-        config_file=options.config_file,
-        overrides=(*options.overrides, *extra),
-        nproc=nproc,
-        cpu=options.cpu,
-        run_dir=options.run_dir,
-    )
-
-
 def _threads_per_process(device: str, counts: list[int]) -> int | None:
     """On CPU one process stands for one device only if it gets the same cores at every count: each
     gets cores // largest count, in every run (the launcher would give a lone process them all).
@@ -173,12 +125,21 @@ def _weak_scaling(batch: int | None, n: int) -> tuple[str, ...]:
     return (f"batch.global_batch_size={batch * n}",) if batch and n > 1 else ()
 
 
-def _run_one(options: BenchOptions, script: str, script_args, n: int, overrides: tuple[str, ...], parent: Path, name: str, threads: int | None) -> tuple[Path, float]:
+def _run_one(
+    options: BenchOptions,
+    script: str,
+    script_args,
+    cap: int | None,
+    n: int,
+    overrides: tuple[str, ...],
+    parent: Path,
+    name: str,
+    threads: int | None,
+) -> tuple[Path, float]:
     parent.mkdir()
-    command = launch_command(script, script_args, nproc=n, parent=parent, cpu=options.cpu, config_file=options.config_file, overrides=(*options.overrides, *overrides))
     # The environment passes through unread; the launcher takes OMP_NUM_THREADS as the user's.
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
-    run = run_launch(command, parent, None if options.demo else options.steps, env)
+    run = options.launch(script, script_args, nproc=n, parent=parent, extra=overrides, cap=cap, env=env)
     if not run.complete:
         reason = failure_reason(run.log)
         raise RunFailed(f"{name} failed (exit code {run.returncode}){': ' + reason if reason else ''}; its output is in {run.log}")

@@ -8,6 +8,7 @@ from phalanx.bench.chart import CHART_HINT
 from phalanx.bench.report import SPLIT_NOTE, bench_table
 from phalanx.bench.runner import BenchOptions, run_bench
 from phalanx.cli.console import console
+from phalanx.cli.trial_args import TrialArguments, trial_options
 
 
 def register(commands) -> None:
@@ -20,32 +21,21 @@ def register(commands) -> None:
             "Options go before SCRIPT; everything after it is passed to the script."
         ),
     )
-    bench.add_argument("--demo", action="store_true", help="bench the built-in digits demo instead of a script")
+    shared = TrialArguments(bench, verb="bench", unit="run")
+    shared.add("--demo")
     bench.add_argument("--nproc-list", metavar="LIST", help="device counts to run, e.g. 1,2,4 (default: 1 to what `phalanx launch` would use; 1 is always added)")
-    bench.add_argument("--steps", type=int, default=30, metavar="N", help="optimizer steps per run, warm-up included (default 30)")
-    bench.add_argument("--warmup", type=int, default=5, metavar="N", help="first steps of each run left out of the figures (default 5)")
-    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one config value for every run (repeatable)")
-    bench.add_argument("--config", metavar="FILE", help="YAML or TOML config file (default: ./phalanx.yaml when present)")
-    bench.add_argument("--run-dir", metavar="DIR", help="parent of the bench directory (default: launch.run_dir, 'runs')")
-    bench.add_argument("--cpu", action="store_true", help="run CPU processes on gloo even when GPUs are present")
-    bench.add_argument("script", nargs="?", help="the Python training script (it must train through phalanx.Session)")
-    bench.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    shared.add("--steps", default=30)
+    shared.add("--warmup", help="first steps of each run left out of the figures (default 5)")
+    shared.add("--set")
+    shared.add("--config")
+    shared.add("--run-dir")
+    shared.add("--cpu")
+    shared.add_script()
     bench.set_defaults(run=_run_bench)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    options = BenchOptions(
-        script=args.script,
-        script_args=tuple(args.script_args),
-        demo=args.demo,
-        nproc_list=args.nproc_list,
-        steps=args.steps,
-        warmup=args.warmup,
-        overrides=tuple(args.overrides),
-        config_file=args.config,
-        run_dir=args.run_dir,
-        cpu=args.cpu,
-    )
+    options = BenchOptions(nproc_list=args.nproc_list, **trial_options(args))
     result = run_bench(options, say=lambda line: print(line, flush=True))
     out = console()
     out.print(bench_table(result.rows, units="processes" if result.device == "cpu" else "devices"))

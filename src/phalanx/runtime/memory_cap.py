@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from phalanx.config.sizes import size_bytes
+from phalanx.util.sizes import size_bytes
+from phalanx.util.units import format_bytes
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -71,13 +72,9 @@ class MemoryCap:
         used = self.used_bytes()
         if used is not None and used > self.cap_bytes:
             raise torch.OutOfMemoryError(
-                f"phalanx memory cap: this process's peak resident memory grew by {_mib(used)} since session.setup(), "
-                f"over train.memory_cap {_mib(self.cap_bytes)}; lower batch.micro_batch_size or raise the cap"
+                f"phalanx memory cap: this process's peak resident memory grew by {format_bytes(used, unit='MiB', decimals=1)} since session.setup(), "
+                f"over train.memory_cap {format_bytes(self.cap_bytes, unit='MiB', decimals=1)}; lower batch.micro_batch_size or raise the cap"
             )
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _status_bytes(field: str) -> int | None:

@@ -15,16 +15,15 @@ and is read as "out of memory" from the ranks' logs.
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from phalanx.bench.launching import launch_command, quiet_overrides, run_launch
-from phalanx.config.sizes import size_bytes
-from phalanx.util.units import format_bytes
+from phalanx.bench.launching import TrialOptions, quiet_overrides
+from phalanx.util.sizes import size_bytes
+from phalanx.util.units import MIB, format_bytes
 from phalanx.errors import PhalanxError
-from phalanx.launch.launcher import LaunchPlan, LaunchRequest, new_run_dir, prepare
+from phalanx.launch.launcher import LaunchPlan, new_run_dir, prepare
 from phalanx.strategies import strategy_class
 from phalanx.topology import cpu_count
 from phalanx.tune import search
@@ -33,7 +32,6 @@ from phalanx.tune.trials import OK, OOM, Announced, Settings, Trial, announced, 
 from phalanx.util.words import plural
 
 STAGES = ("micro-batch", "workers", "bucket")
-_BUCKET_STRATEGIES = ("ddp", "zero1")
 
 
 class TuneFailed(PhalanxError):
@@ -43,48 +41,24 @@ class TuneFailed(PhalanxError):
 
 
 @dataclass(frozen=True)
-class TuneOptions:
-    script: str | None = None
-    script_args: tuple[str, ...] = ()
-    demo: bool = False
+class TuneOptions(TrialOptions):
     nproc: int | None = None
-    config_file: str | None = None
-    overrides: tuple[str, ...] = ()
     memory_cap: str | None = None
-    steps: int = 20
-    warmup: int = 5
     max_micro_batch: int | None = None
     allow_global_batch: bool = False
     search: tuple[str, ...] = STAGES
     dry_run: bool = False
-    cpu: bool = False
-    run_dir: str | None = None
 
     def command(self) -> str:
-        parts = ["phalanx", "tune"]
-        if self.nproc:
-            parts += ["--nproc", str(self.nproc)]
+        first = ["--nproc", str(self.nproc)] if self.nproc else []
         if self.memory_cap:
-            parts += ["--memory-cap", self.memory_cap]
-        parts += ["--steps", str(self.steps), "--warmup", str(self.warmup)]
-        if self.max_micro_batch:
-            parts += ["--max-micro-batch", str(self.max_micro_batch)]
+            first += ["--memory-cap", self.memory_cap]
+        middle = ["--max-micro-batch", str(self.max_micro_batch)] if self.max_micro_batch else []
         if self.allow_global_batch:
-            parts.append("--allow-global-batch")
+            middle.append("--allow-global-batch")
         if tuple(self.search) != STAGES:
-            parts += ["--search", ",".join(self.search)]
-        for override in self.overrides:
-            parts += ["--set", override]
-        if self.config_file:
-            parts += ["--config", self.config_file]
-        if self.run_dir:
-            parts += ["--run-dir", self.run_dir]
-        if self.dry_run:
-            parts.append("--dry-run")
-        if self.cpu:
-            parts.append("--cpu")
-        parts += ["--demo"] if self.demo else [self.script or "", *self.script_args]
-        return shlex.join(parts)
+            middle += ["--search", ",".join(self.search)]
+        return self.command_line("tune", first=first, middle=middle, last=["--dry-run"] if self.dry_run else [])
 
 
 @dataclass
@@ -120,19 +94,16 @@ class _Tuner:
     def __init__(self, options: TuneOptions, say: Callable[[str], None]):
         self.options = options
         self.say = say
-        self.script, self.script_args, self.cap = _target(options)
+        self.script, self.script_args, self.cap = options.target("tune")
         _check_options(options)
         extra = (f"train.memory_cap={options.memory_cap}",) if options.memory_cap else ()
-        self.base: LaunchPlan = prepare(
-            LaunchRequest(script=self.script, script_args=self.script_args, config_file=options.config_file, overrides=(*options.overrides, *extra), nproc=options.nproc, cpu=options.cpu, run_dir=options.run_dir)
-        )
+        self.base: LaunchPlan = prepare(options.request(self.script, self.script_args, options.nproc, extra))
         if self.base.rendezvous.nnodes > 1:
             raise PhalanxError("phalanx tune runs on one machine; tune on one node, then use the values on every node")
         self.nproc = self.base.devices.nproc
         self.dp = strategy_class(self.base.strategy, self.nproc).data_parallel_size_for(self.nproc)
         self.directory = new_run_dir(Path(options.run_dir or self.base.config.launch.run_dir).resolve(), "tune")
-        self.common = (
-            *options.overrides,
+        self.common = (  # after the options' own --set values
             *extra,
             *quiet_overrides(self.base.config, self.directory),
             "train.tensorboard=false",
@@ -150,8 +121,9 @@ class _Tuner:
         number = len(self.trials) + 1
         parent = self.directory / f"t{number:02d}"
         overrides = (*self.common, *(settings.overrides() if settings else ()))
-        command = launch_command(self.script, self.script_args, nproc=self.nproc, parent=parent, cpu=self.options.cpu, config_file=self.options.config_file, overrides=overrides)
-        run = run_launch(command, parent, self.cap)
+        run = self.options.launch(
+            self.script, self.script_args, nproc=self.nproc, parent=parent, extra=overrides, cap=self.cap
+        )
         trial = conclude(Trial(number, stage, settings or Settings(0, 0), label), run, nproc=self.nproc, warmup=self.options.warmup, steps=self.options.steps)
         self.trials.append(trial)
         if settings is not None and not again:
@@ -243,7 +215,7 @@ class _Tuner:
         most = o.max_micro_batch or (per_process if keep else 8 * per_process)
         if most < current.micro:
             raise TuneFailed(f"--max-micro-batch {most} is below the script's own micro-batch {current.micro}")
-        multiple = self.base.config.strategy.pipeline.microbatches if self.base.strategy == "pipeline" else 1
+        multiple = strategy_class(self.base.strategy).micro_batch_multiple(self.base.config)
         candidates = search.micro_candidates(per_process, current.micro, keep_global=keep, most=most, multiple_of=multiple)
         tried: dict[int, Trial] = {current.micro: start}
 
@@ -321,7 +293,12 @@ class _Tuner:
         gradients = self.plan.gradient_mib
         sizes = search.bucket_sizes(current.bucket_mb, gradients)
         if len(sizes) < 2:
-            return current, StageResult("bucket", f"bucket size: skipped (all {format_bytes(gradients * 2**20)} of gradients fit in one bucket of every size tried, so the size cannot matter)")
+            total = format_bytes(gradients * MIB, decimals=1)  # as the Session's own line says it
+            return current, StageResult(
+                "bucket",
+                f"bucket size: skipped (all {total} of gradients fit in one bucket of every size tried, "
+                "so the size cannot matter)",
+            )
         measured, trials = [], {}
         for size in sizes:
             settings = replace(current, bucket_mb=size)
@@ -341,29 +318,15 @@ class _Tuner:
         return chosen.settings, StageResult("bucket", text, {"strategy.ddp.bucket_cap_mb": float(size)})
 
     def _bucket_applies(self) -> bool:
-        return self.base.strategy in _BUCKET_STRATEGIES and self.nproc > 1
+        return strategy_class(self.base.strategy).ddp_buckets and self.nproc > 1
 
 
 def run_tune(options: TuneOptions, say: Callable[[str], None] = print) -> TuneResult:
     return _Tuner(options, say).run()
 
 
-def _target(options: TuneOptions) -> tuple[str, tuple[str, ...], int | None]:
-    """Script, its arguments, and the step count at which a trial is stopped (None: it stops itself)."""
-    if options.demo and options.script:
-        raise PhalanxError("give either a script or --demo, not both")
-    if options.demo:
-        from phalanx.demo import TRAIN_SCRIPT
-
-        return TRAIN_SCRIPT, ("--max-steps", str(options.steps)), None
-    if not options.script:
-        raise PhalanxError("give the training script to tune, or --demo for the built-in example")
-    return options.script, tuple(options.script_args), options.steps
-
-
 def _check_options(options: TuneOptions) -> None:
-    if options.steps < 1 or options.warmup < 0 or options.warmup >= options.steps:
-        raise PhalanxError(f"--steps must be at least 1 and above --warmup; got --steps {options.steps} --warmup {options.warmup}")
+    options.check_steps()
     if options.memory_cap is not None and not size_bytes(options.memory_cap):
         raise PhalanxError(f"--memory-cap '{options.memory_cap}' is not a size; write e.g. 2GiB, 512MiB or a number of bytes")
     if options.max_micro_batch is not None and options.max_micro_batch < 1:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from phalanx.bench.figures import RunFigures, read_metrics, run_figures
 from phalanx.bench.launching import LaunchRun, failure_reason
-from phalanx.config.sizes import MIB, size_bytes
+from phalanx.util.units import MIB
 from phalanx.errors import PhalanxError
+from phalanx.session.facts import read_run_facts
 
 OK, OOM, FAILED = "ok", "out of memory", "failed"
 
@@ -20,8 +21,6 @@ OK, OOM, FAILED = "ok", "out of memory", "failed"
 _MESSAGES = r"CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED"
 _OOM_IN_LOG = re.compile(rf"^(?:\[rank \d+\] )?(?:torch\.)?(?:cuda\.)?OutOfMemoryError\b|{_MESSAGES}", re.MULTILINE)
 _OOM_IN_SUMMARY = re.compile(rf"\bOutOfMemoryError\b|{_MESSAGES}")
-_ANNOUNCED = re.compile(r"global batch (\d+) = micro batch (\d+) x (\d+) accumulation steps? x (\d+) process")
-_MODEL = re.compile(r"trainable parameters \(([\d.]+) (B|KiB|MiB|GiB) of gradients\)")
 
 
 @dataclass(frozen=True)
@@ -132,8 +131,8 @@ def out_of_memory_ranks(run_dir: Path) -> list[int]:
 
 @dataclass(frozen=True)
 class Announced:
-    """What the Session's rank 0 announced at setup, before any step: known even when the first
-    step runs out of memory."""
+    """What the Session's rank 0 wrote at setup, before any step (session/facts.py): known even
+    when the first step runs out of memory."""
 
     global_batch: int
     micro: int
@@ -142,39 +141,20 @@ class Announced:
 
 
 def announced(run_dir: Path | None) -> Announced | None:
-    if run_dir is None:
+    """The batch plan and gradient size the run's Session wrote; None when it wrote no batch plan."""
+    facts = read_run_facts(run_dir) if run_dir else None
+    if facts is None or facts.batch is None:
         return None
-    for log in sorted((run_dir / "logs").glob("rank0*.log")):
-        text = log.read_text(encoding="utf-8", errors="replace")
-        match = _ANNOUNCED.search(text)
-        if match:
-            global_batch, micro, _, processes = map(int, match.groups())
-            size = _MODEL.search(text)
-            return Announced(global_batch, micro, processes, size_bytes(f"{size.group(1)} {size.group(2)}") / MIB if size else None)
-    return None
+    plan = facts.batch
+    gradients = facts.gradient_bytes / MIB if facts.models else None
+    return Announced(plan.global_batch_size, plan.micro_batch_size, plan.data_parallel_size, gradients)
 
 
 def code_settings(run_dir: Path | None) -> set[str]:
-    """Settings the script gave in code (``phalanx.Session(batch=...)``), read from the resolved
-    config the run wrote (each value is followed by where it came from). Code beats the config
-    file, so tune cannot change these through the file."""
-    path = run_dir / "config.yaml" if run_dir else None
-    if path is None or not path.is_file():
-        return set()
-    found, stack = set(), []  # stack: (indent, section name)
-    for line in path.read_text(encoding="utf-8").splitlines():
-        match = re.match(r"^(\s*)([A-Za-z_][\w]*):(.*)$", line)
-        if not match:
-            continue
-        indent, key, rest = len(match.group(1)), match.group(2), match.group(3)
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        if not rest.strip():
-            stack.append((indent, key))
-            continue
-        if re.search(r"#\s*code\s*$", rest):
-            found.add(".".join([name for _, name in stack] + [key]))
-    return found
+    """Settings the script gave in code (``phalanx.Session(batch=...)``), as the run's Session
+    wrote them. Code beats the config file, so tune cannot change these through the file."""
+    facts = read_run_facts(run_dir) if run_dir else None
+    return set(facts.code_settings) if facts else set()
 
 
 def _short(text: str, most: int = 120) -> str:

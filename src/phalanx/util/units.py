@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phalanx.config.sizes import GIB, KIB, MIB, size_bytes
+from phalanx.util.sizes import GIB, KIB, MIB, size_bytes
 from phalanx.errors import PhalanxError
 
 
@@ -10,18 +10,29 @@ def parse_size(text: str) -> int:
     """``"4K"`` -> 4096; K, M and G are powers of 1024 (``KiB``, ``MB`` and ``KB`` read the same)."""
     size = size_bytes(text)
     if size is None:
-        raise PhalanxError(f"'{text}' is not a size; write a number of bytes with an optional K, M or G, e.g. 4K or 64M")
+        raise PhalanxError(
+            f"'{text}' is not a size; write a number of bytes with an optional K, M or G, e.g. 4K or 64M"
+        )
     return size
 
 
-def format_bytes(n: int | float | None) -> str:
+_UNITS = {"GiB": GIB, "MiB": MIB, "KiB": KIB, "B": 1}
+
+
+def format_bytes(n: int | float | None, *, decimals: int | None = None, unit: str | None = None) -> str:
+    """``n`` in the largest binary unit it reaches (or in ``unit``). ``decimals`` None: one decimal,
+    none for a whole value ("4 MiB", "3.5 MiB"); a number: always that many ("4.0 MiB"), as the
+    Session's announcement shows sizes. Bytes are always whole ("576 B")."""
     if n is None:
         return "unknown"
-    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
+    if unit is None:
+        unit = next((name for name, scale in _UNITS.items() if n >= scale), "B")
+    if unit == "B":
+        return f"{int(n)} B"
+    value = n / _UNITS[unit]
+    if decimals is None:
+        return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{value:.{decimals}f} {unit}"
 
 
 def format_rate(bytes_per_second: float | None) -> str:
