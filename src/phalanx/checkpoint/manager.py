@@ -209,7 +209,7 @@ class Checkpointer:
     def _numel(self, model: nn.Module) -> int:
         local = sum(p.numel() for p in self.strategy.unwrap(model).parameters())
         # DTensor parameters (fsdp) report their global size; pipeline stages hold disjoint parts.
-        return sum(self._gather_all(local)) if self.strategy.name == "pipeline" else local
+        return sum(self._gather_all(local)) if self.strategy.splits_layers else local
 
     def _all_shapes(self, objects: TrainingObjects) -> list[dict[str, list[int]]]:
         """Every model's parameter and buffer shapes under the bare model's names (all ranks' keys)."""

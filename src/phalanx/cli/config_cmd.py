@@ -15,7 +15,7 @@ from phalanx.config.loader import DEFAULT_FILE, load_config
 from phalanx.config.schema import Config
 from phalanx.config.template import render, scalar
 from phalanx.errors import PhalanxError
-from phalanx.strategies import STRATEGIES, strategy_class
+from phalanx.strategies import STRATEGIES, check_combination
 from phalanx.topology import LaunchContext
 
 
@@ -73,7 +73,7 @@ def _ask() -> Config:
 
 def _run_show(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides=args.overrides, context=LaunchContext())
-    strategy_class(config.strategy.name)  # an unknown strategy is an error here too
+    check_combination(config)  # an unknown strategy, or one refusing these settings, is an error here too
     flat, sources = config.flat(), config.sources
     if args.json:
         print(json.dumps({key: {"value": value, "source": sources.get(key, "default")} for key, value in flat.items()}, indent=2))

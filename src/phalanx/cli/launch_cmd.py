@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from phalanx.launch.launcher import LaunchRequest, launch
+from phalanx.launch.launcher import LAUNCH_FLAGS, LaunchRequest, launch
 from phalanx.metrics.profile import profile_overrides
 
 
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    # Each flag but --config, --set and the --profile pair is a shorthand for --set launch.<key>=VALUE.
     parser.add_argument("--nproc", type=int, metavar="N", help="processes per node (default: one per visible GPU; 2 on a CPU-only machine)")
     parser.add_argument("--gpus", metavar="LIST", help="GPU indices to use, e.g. 0,2 (indices into CUDA_VISIBLE_DEVICES when it is set)")
     parser.add_argument("--cpu", action="store_true", help="run CPU processes on gloo even when GPUs are present")
@@ -45,10 +46,6 @@ def register(commands) -> None:
     demo.set_defaults(run=_run_demo)
 
 
-# Flags whose value goes to the LaunchRequest field of the same name.
-_PASSED_THROUGH = ("nproc", "gpus", "cpu", "ranks", "run_dir", "verbose", "max_restarts", "nnodes", "node_rank", "master", "rdzv_endpoint", "rdzv_id")
-
-
 def _request(args: argparse.Namespace, script: str, script_args: list[str], name: str | None = None) -> LaunchRequest:
     return LaunchRequest(
         script=script,
@@ -56,7 +53,7 @@ def _request(args: argparse.Namespace, script: str, script_args: list[str], name
         config_file=args.config,
         overrides=[*args.overrides, *profile_overrides(args.profile, args.profile_ranks)],  # the flags win over --set
         name=name,
-        **{key: getattr(args, key) for key in _PASSED_THROUGH},
+        **{key: getattr(args, key) for key in LAUNCH_FLAGS},  # the request turns them into launch.* lines
     )
 
 

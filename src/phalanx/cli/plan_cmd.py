@@ -8,13 +8,15 @@ from collections import Counter
 
 import torch
 import yaml
-from torch import nn
 from rich.table import Table
+from torch import nn
 
 from phalanx.cli.console import console as make_console
 from phalanx.errors import PhalanxError
 from phalanx.plan import count_parameters, load_factory, make_plan, measure_activations
+from phalanx.plan.accounting import VARIANTS
 from phalanx.plan.measure import build
+from phalanx.plan.report import left_out
 
 EXAMPLES = {  # name: (factory path, per-sample input shape, input dtype)
     "digits": ("phalanx.demo.digits:DigitsCNN", "1,8,8", "float"),
@@ -91,11 +93,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict() | {"activations_measured_on": measured_on, "checkpoint_classes": classes}, indent=2))
         return 0
-    _print(plan, args, measured_on, classes)
+    _print(plan, args, measured_on, classes, sequential)
     return 0
 
 
-def _print(plan, args, measured_on, classes) -> None:
+def _print(plan, args, measured_on, classes, sequential: bool) -> None:
     console = make_console()
     state = "mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper)" if args.accounting == "zero-paper" else f"{args.precision}, {args.optimizer}"
     title = f"{plan.n_params:,} parameters, {plan.devices} devices, micro-batch {args.micro_batch}, {state}"
@@ -109,14 +111,12 @@ def _print(plan, args, measured_on, classes) -> None:
         acts = fmt(row.activations) if row.activations is not None else "-"
         table.add_row(row.label, fmt(row.parameters), fmt(row.gradients), fmt(row.optimizer), acts, fmt(row.total), fits)
     console.print(table)
-    if args.precision == "fp16":
-        console.print("fsdp is left out: it does not support fp16 (use bf16)")
-    if args.precision != "fp32":
-        console.print("pipeline is left out: it supports fp32 only for now")
-    elif not any(r.strategy == "pipeline" for r in plan.rows):
-        console.print("pipeline is left out: the model is not an nn.Sequential")
-    if any(r.strategy == "pipeline" for r in plan.rows):
-        console.print("pipeline: needs an nn.Sequential model; stages assumed balanced (parameters and activations / devices)")
+    for cls, why in left_out(args.precision, sequential):
+        console.print(f"{cls.name} is left out: {why}")
+    for cls in dict.fromkeys(VARIANTS[r.strategy].strategy for r in plan.rows):
+        if cls.splits_layers:
+            needs = "needs an nn.Sequential model; " if cls.needs_sequential else ""
+            console.print(f"{cls.name}: {needs}stages assumed balanced (parameters and activations / devices)")
     if measured_on:
         console.print(f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch")
         if classes:

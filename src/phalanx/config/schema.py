@@ -58,11 +58,10 @@ class Config(Section):
         """Defaults < file < keyword arguments < ``--set`` overrides (see docs/config.md)."""
         return resolve(cls, path, overrides=overrides, sections=sections)
 
+    # Rules across sections that depend on the strategy (fsdp and fp16, a comm hook without DDP, ...)
+    # are the strategies' own: phalanx.strategies.checks, which the launcher and the Session call.
     @model_validator(mode="after")
-    def _hook_needs_ddp(self):
-        hook, name = self.strategy.ddp.comm_hook, self.strategy.name
-        if hook != "none" and name not in ("auto", "ddp", "zero1"):
-            raise ValueError(f"strategy.ddp.comm_hook={hook} compresses DDP's gradient all-reduce, which strategy {name} does not use; use strategy ddp or zero1, or set comm_hook none")
+    def _first_bucket_fits(self):
         first, cap = self.strategy.ddp.first_bucket_cap_mb, self.strategy.ddp.bucket_cap_mb
         if first is not None and first > cap:
             raise ValueError(
@@ -72,17 +71,10 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _compute_fits_strategy(self):
-        compute, name = self.compute, self.strategy.name
-        if compute.compile and name in ("dp", "model_parallel", "pipeline"):
-            raise ValueError(
-                f"compute.compile is not supported with strategy {name} (phalanx compiles the wrapped model of single, ddp, zero1 "
-                "and fsdp only); use one of those, or set compute.compile: false"
-            )
+    def _compile_mode_needs_compile(self):
+        compute = self.compute
         if compute.compile_mode != "default" and not compute.compile:
             raise ValueError(f"compute.compile_mode={compute.compile_mode} has no effect while compute.compile is false; set compute.compile: true, or leave compile_mode at default")
-        if compute.channels_last and name == "fsdp":
-            raise ValueError("compute.channels_last is not supported with strategy fsdp (FSDP2 cannot shard channels-last weights); use ddp or zero1, or set compute.channels_last: false")
         return self
 
     def flat(self) -> dict[str, object]:

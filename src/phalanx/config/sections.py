@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from phalanx.config.sizes import size_bytes
+from phalanx.util.sizes import size_bytes
 
 
 class Section(BaseModel):
@@ -158,8 +158,12 @@ class FaultsConfig(Section):
 
 
 class LaunchConfig(Section):
+    """What ``phalanx launch`` starts; each flag of it is a shorthand for one of these (--nproc 4 is
+    --set launch.nproc=4), so a run's config.yaml holds them too."""
+
     nproc: Optional[int] = Field(None, gt=0, description="processes per node (null: one per visible GPU, or 2 on a CPU-only machine)")
     gpus: Optional[str] = Field(None, description="comma-separated GPU indices to use, e.g. '0,2' (null: all visible)")
+    cpu: bool = Field(False, description="run CPU processes on gloo even when GPUs are present (gpus is then ignored)")
     ranks: Literal["0", "all"] = Field("0", description="whose output the terminal shows: 0 (rank 0 only) or all (each line prefixed [rank N])")
     run_dir: str = Field("runs", description="where each run's directory (logs, resolved config) is created")
     max_restarts: int = Field(0, ge=0, description="restart the whole job this many times after a failure; each restart resumes from the latest checkpoint")
@@ -168,6 +172,7 @@ class LaunchConfig(Section):
     master: Optional[str] = Field(None, description="host:port of node 0, where the rendezvous store listens (static rendezvous, with node_rank)")
     rdzv_endpoint: Optional[str] = Field(None, description="host:port of torch elastic's c10d rendezvous (dynamic: node ranks are assigned on arrival)")
     rdzv_id: Optional[str] = Field(None, description="job id that every node passes to the c10d rendezvous (null: SLURM_JOB_ID, else 'phalanx')")
+    verbose: bool = Field(False, description="also show torch elastic's own log lines, and the run time at the end")
 
     @model_validator(mode="before")
     @classmethod

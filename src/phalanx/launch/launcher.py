@@ -18,7 +18,7 @@ import torch
 from phalanx.config.batch import plan_batch
 from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
-from phalanx.config.template import write_resolved
+from phalanx.config.template import scalar, write_resolved
 from phalanx.errors import PhalanxError
 from phalanx.faults import markers
 from phalanx.launch.devices import DevicePlan, plan_devices
@@ -26,11 +26,24 @@ from phalanx.launch.outcome import report_failure, report_preemption
 from phalanx.launch.rendezvous import Rendezvous, plan_rendezvous
 from phalanx.metrics.profile import ProfileWindow
 from phalanx.metrics.report import report_run
-from phalanx.strategies import strategy_class
+from phalanx.strategies import check_combination, strategy_class
 from phalanx.topology import LaunchContext, cpu_count, slurm_job, user_omp_threads, visible_cuda_devices
+
+# LaunchRequest fields that are shorthands for `--set launch.<field>=...` (the launch flags).
+LAUNCH_FLAGS = (
+    "nproc", "gpus", "cpu", "ranks", "run_dir", "verbose",
+    "max_restarts", "nnodes", "node_rank", "master", "rdzv_endpoint", "rdzv_id",
+)  # fmt: skip
+# Flags refused with their own name before the config is read, rather than as launch.<field>.
+_AT_LEAST = {"nproc": 1, "max_restarts": 0, "nnodes": 1, "node_rank": 0}
+
 
 @dataclass
 class LaunchRequest:
+    """What to launch. The flag fields (LAUNCH_FLAGS) are shorthands for ``--set launch.<field>=...``
+    lines applied after ``overrides``, so a flag wins; None (False for ``cpu`` and ``verbose``)
+    leaves the config's value."""
+
     script: str
     script_args: Sequence[str] = ()
     config_file: str | None = None
@@ -49,6 +62,19 @@ class LaunchRequest:
     master: str | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+
+    def flag_overrides(self) -> list[str]:
+        """The flags given, as ``--set`` lines (YAML scalars, so '1' stays text and 4 a number)."""
+        given = {key: getattr(self, key) for key in LAUNCH_FLAGS}
+        # `is`, not `in (None, False)`: --node-rank 0 and --max-restarts 0 are values to pass on.
+        return [f"launch.{key}={scalar(v)}" for key, v in given.items() if v is not None and v is not False]
+
+    def check_flags(self) -> None:
+        for key, least in _AT_LEAST.items():
+            value = getattr(self, key)
+            if value is not None and value < least:
+                flag = "--" + key.replace("_", "-")
+                raise PhalanxError(f"{flag} must be {'at least 1' if least else '0 or more'}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -70,16 +96,18 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     """Everything that can be wrong with the user's input is found here, before any process starts."""
     if not os.path.isfile(request.script):
         raise PhalanxError(f"script '{request.script}' not found; give the path of a Python file to run")
-    config = load_config(request.config_file, overrides=request.overrides, context=LaunchContext())
+    request.check_flags()
+    overrides = (*request.overrides, *request.flag_overrides())
+    config = _load(request.config_file, overrides, request.cpu)
     launch = config.launch
     name = config.strategy.name
     fixed = None if name == "auto" else strategy_class(name)  # unknown names fail here
     devices = plan_devices(
-        gpus=request.gpus if request.gpus is not None else launch.gpus,
-        nproc=request.nproc if request.nproc is not None else launch.nproc,
-        cpu=request.cpu,
+        gpus=launch.gpus,
+        nproc=launch.nproc,
+        cpu=launch.cpu,
         processes_per_node=fixed.processes_per_node if fixed else None,
-        cuda_count=0 if request.cpu else torch.cuda.device_count(),
+        cuda_count=0 if launch.cpu else torch.cuda.device_count(),
         visible=visible_cuda_devices(),
         cores=cpu_count(),
     )
@@ -87,35 +115,39 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     if exported is not None and exported.isdigit():
         devices = replace(devices, omp_num_threads=int(exported))  # the user's value is the one used
     rendezvous = plan_rendezvous(
-        nnodes=request.nnodes if request.nnodes is not None else launch.nnodes,
-        node_rank=request.node_rank if request.node_rank is not None else launch.node_rank,
-        master=request.master or launch.master,
-        rdzv_endpoint=request.rdzv_endpoint or launch.rdzv_endpoint,
-        rdzv_id=request.rdzv_id or launch.rdzv_id,
+        nnodes=launch.nnodes,
+        node_rank=launch.node_rank,
+        master=launch.master,
+        rdzv_endpoint=launch.rdzv_endpoint,
+        rdzv_id=launch.rdzv_id,
         slurm=slurm_job(),
     )
-    if request.max_restarts is not None and request.max_restarts < 0:
-        raise PhalanxError(f"--max-restarts must be 0 or more, got {request.max_restarts}")
     world = devices.nproc * rendezvous.nnodes
     strategy_cls = strategy_class(name, world)
-    strategy_cls.check_world(world)
+    check_combination(config, world, devices.kind)
     if config.train.profile is not None:
         ProfileWindow.parse(config.train.profile)
     if config.batch.global_batch_size is not None:
         plan_batch(strategy_cls.data_parallel_size_for(world), config.batch.global_batch_size, config.batch.micro_batch_size)
-    ranks = request.ranks if request.ranks is not None else launch.ranks
-    if ranks not in ("0", "all"):
-        raise PhalanxError(f"--ranks must be 0 or all, got '{ranks}'")
     # Absolute, so a script that changes directory still writes into its run directory.
-    run_dir = new_run_dir(Path(request.run_dir or launch.run_dir).resolve(), request.name or Path(request.script).stem)
+    run_dir = new_run_dir(Path(launch.run_dir).resolve(), request.name or Path(request.script).stem)
     context = LaunchContext(
         config_file=str(Path(request.config_file).resolve()) if request.config_file else None,
-        overrides=tuple(request.overrides),
+        overrides=overrides,  # the workers resolve the same config, launch settings included
         run_dir=str(run_dir),
-        show_ranks=ranks,
+        show_ranks=launch.ranks,
         force_cpu=devices.kind == "cpu",
     )
     return LaunchPlan(request, config, devices, strategy_cls.name, run_dir, context, rendezvous)
+
+
+def _load(config_file: str | None, overrides: Sequence[str], cpu_flag: bool) -> Config:
+    """The config as the workers will see it. A preset depends on the device kind, and the
+    launcher may not initialise CUDA to learn it: launch.cpu, from the flag or the config, says."""
+    config = load_config(config_file, overrides=overrides, context=LaunchContext(force_cpu=cpu_flag))
+    if config.launch.cpu != cpu_flag:
+        config = load_config(config_file, overrides=overrides, context=LaunchContext(force_cpu=config.launch.cpu))
+    return config
 
 
 def launch(request: LaunchRequest) -> int:
@@ -137,7 +169,7 @@ def run_workers(plan: LaunchPlan) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rdzv = plan.rendezvous
-    restarts = plan.request.max_restarts if plan.request.max_restarts is not None else plan.config.launch.max_restarts
+    restarts = plan.config.launch.max_restarts
     config = LaunchConfig(
         min_nodes=rdzv.nnodes,
         max_nodes=rdzv.nnodes,
@@ -166,7 +198,8 @@ def run_workers(plan: LaunchPlan) -> int:
     args = ["-u", "-m", "phalanx.launch.worker", plan.request.script, *plan.request.script_args]
     started = time.perf_counter()
     try:
-        with _environ(env), _quiet_elastic(not plan.request.verbose), _preemption_handler(plan.run_dir, plan.config.faults.preempt_grace):
+        quiet = not plan.config.launch.verbose
+        with _environ(env), _quiet_elastic(quiet), _preemption_handler(plan.run_dir, plan.config.faults.preempt_grace):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as failure:
         return report_failure(plan.run_dir, failure)
@@ -175,7 +208,7 @@ def run_workers(plan: LaunchPlan) -> int:
             return report_preemption(plan.run_dir)
         print(f"phalanx: stopped by signal {sig.sigval.name}; logs in {plan.run_dir / 'logs'}", file=sys.stderr)
         return 128 + int(sig.sigval)
-    if plan.request.verbose:
+    if plan.config.launch.verbose:
         print(f"phalanx: finished in {time.perf_counter() - started:.1f}s", flush=True)
     return 0
 

@@ -27,10 +27,6 @@ _PEAK_TFLOPS: list[tuple[str, dict[str, float | None]]] = [
     (r"\bT4\b", {"bf16": None, "fp16": 65, "tf32": None, "fp32": 8.1}),
 ]
 
-# Strategies whose unwrapped model runs a forward on its own: counting FLOPs on it starts no
-# collective, so it cannot leave the other ranks waiting.
-LOCAL_FORWARD = ("single", "ddp", "zero1")
-
 
 def peak_flops_per_s(device_name: str, precision: str, tf32: bool = False) -> float | None:
     """Peak dense FLOP/s of one device for the precision mode, or None for an unknown device."""

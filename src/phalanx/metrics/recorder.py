@@ -20,7 +20,7 @@ from torch import nn
 from phalanx.config.schema import Config
 from phalanx.errors import ConfigError
 from phalanx.metrics.board import Board
-from phalanx.metrics.flops import LOCAL_FORWARD, count_on_first_forward, peak_flops_per_s
+from phalanx.metrics.flops import count_on_first_forward, peak_flops_per_s
 from phalanx.metrics.profile import ProfileWindow, StepProfiler
 from phalanx.metrics.summary import FLOPS_FILE, summarize
 from phalanx.topology import Topology
@@ -187,8 +187,10 @@ class StepRecorder:
         return peak
 
 
-def create_recorder(config: Config, topology: Topology, run_dir: str | None, strategy: str) -> StepRecorder:
-    """The Session's recorder, from ``train.metrics``, ``train.tensorboard`` and ``train.profile``."""
+def create_recorder(config: Config, topology: Topology, run_dir: str | None, *, local_forward: bool) -> StepRecorder:
+    """The Session's recorder, from ``train.metrics``, ``train.tensorboard`` and ``train.profile``.
+    ``local_forward``: the strategy's unwrapped model runs a forward alone, without collectives
+    (``Strategy.local_forward``), so rank 0 may count its FLOPs for MFU."""
     train = config.train
     root = Path(run_dir) if run_dir else None
     window = ProfileWindow.parse(train.profile) if train.profile else None  # every rank refuses a bad spec
@@ -202,7 +204,7 @@ def create_recorder(config: Config, topology: Topology, run_dir: str | None, str
     if train.metrics and train.tensorboard and root is not None and topology.is_main:
         board = Board.open(root / "tensorboard")
     peak = None
-    if train.metrics and topology.is_main and topology.device.type == "cuda" and strategy in LOCAL_FORWARD:
+    if train.metrics and topology.is_main and topology.device.type == "cuda" and local_forward:
         peak = peak_flops_per_s(torch.cuda.get_device_name(topology.device), config.precision.mode, config.precision.tf32)
     return StepRecorder(
         topology,

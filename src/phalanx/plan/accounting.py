@@ -10,20 +10,40 @@ Two accountings:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from phalanx.config.sections import FSDPConfig, StrategyConfig
+from phalanx.strategies import Sharding, Strategy
+from phalanx.strategies.ddp import DDP
+from phalanx.strategies.fsdp import FSDP
+from phalanx.strategies.pipeline import Pipeline
+from phalanx.strategies.zero1 import Zero1
 
 OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}  # fp32 state bytes per parameter
 PAPER_K = 12
 
-# What each strategy shards: (parameters, gradients, optimizer state). A pipeline stage holds
-# about 1/N of the layers, so all three are divided (assuming balanced stages).
-SHARDING = {
-    "ddp": (False, False, False),
-    "zero1": (False, False, True),
-    "fsdp-zero2": (False, True, True),
-    "fsdp-zero3": (True, True, True),
-    "pipeline": (True, True, True),
+
+@dataclass(frozen=True)
+class Variant:
+    """A row of the plan: a strategy under the settings that change what it holds."""
+
+    strategy: type[Strategy]
+    settings: StrategyConfig = field(default_factory=StrategyConfig)
+
+    @property
+    def shards(self) -> Sharding:
+        return self.strategy.sharding(self.settings)
+
+
+VARIANTS = {
+    "ddp": Variant(DDP),
+    "zero1": Variant(Zero1),
+    "fsdp-zero2": Variant(FSDP, StrategyConfig(fsdp=FSDPConfig(reshard_after_forward=False))),
+    "fsdp-zero3": Variant(FSDP, StrategyConfig(fsdp=FSDPConfig(reshard_after_forward=True))),
+    "pipeline": Variant(Pipeline),
 }
+# What each row shards, from its strategy's own declaration.
+SHARDING: dict[str, Sharding] = {name: variant.shards for name, variant in VARIANTS.items()}
 
 
 @dataclass(frozen=True)
@@ -47,26 +67,20 @@ def model_state(
     trainable: int | None = None,
     compute_bytes: int = 4,
 ) -> ModelState:
-    """Peak bytes per device of model state under ``strategy`` (a key of SHARDING).
+    """Peak bytes per device of model state under ``strategy`` (a key of VARIANTS).
 
     ``trainable``: parameters that get gradients and optimizer state (default: all).
     ``compute_bytes``: bytes per parameter of the copy FSDP gathers for compute (2 under bf16).
     """
     trainable = n_params if trainable is None else trainable
-    shard_p, shard_g, shard_o = SHARDING[strategy]
+    shards = SHARDING[strategy]
+    p, g, o = (devices if sharded else 1 for sharded in (shards.parameters, shards.gradients, shards.optimizer))
     if accounting == "zero-paper":
-        return ModelState(
-            parameters=2 * n_params / (devices if shard_p else 1),
-            gradients=2 * trainable / (devices if shard_g else 1),
-            optimizer=PAPER_K * trainable / (devices if shard_o else 1),
-        )
-    parameters = 4 * n_params / (devices if shard_p else 1)
-    if strategy == "fsdp-zero2":
+        return ModelState(parameters=2 * n_params / p, gradients=2 * trainable / g, optimizer=PAPER_K * trainable / o)
+    parameters = 4 * n_params / p
+    if shards.keeps_gathered:
         # FSDP2 keeps its fp32 shards, and without resharding also the gathered compute copy of
         # every parameter from forward until backward: that copy is the peak.
         parameters = 4 * n_params / devices + compute_bytes * n_params
-    return ModelState(
-        parameters=parameters,
-        gradients=4 * trainable / (devices if shard_g else 1),
-        optimizer=OPTIMIZER_BYTES[optimizer] * trainable / (devices if shard_o else 1),
-    )
+    optimizer_bytes = OPTIMIZER_BYTES[optimizer] * trainable / o
+    return ModelState(parameters=parameters, gradients=4 * trainable / g, optimizer=optimizer_bytes)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from phalanx.plan.accounting import model_state
+from phalanx.plan.accounting import VARIANTS, model_state
 from phalanx.plan.measure import Activations
+from phalanx.strategies import Strategy
 
 # Least communication first, in parameter-sized volumes per step as these implementations move
 # them: ddp all-reduces (2); fsdp-zero2 reduce-scatters and all-gathers once (2); zero1 is DDP's
@@ -72,12 +73,10 @@ def make_plan(
     sequential: bool = True,
 ) -> Plan:
     """``headroom``: the fraction of device memory a plan may use (allocator, CUDA context, buffers).
-    Rows a strategy would refuse are left out: fsdp under fp16, pipeline under bf16/fp16 or for a
-    model that is not an nn.Sequential (``sequential``)."""
-    refused = {"fsdp-zero2", "fsdp-zero3"} if precision == "fp16" else set()
-    if precision != "fp32" or not sequential:
-        refused.add("pipeline")  # fp32 only, and an nn.Sequential model only
-    strategies = [s for s in ORDER if s not in refused]
+    Rows a strategy would refuse are left out (see left_out): fsdp under fp16, pipeline under
+    bf16/fp16 or for a model that is not an nn.Sequential (``sequential``)."""
+    refused = {cls for cls, _ in left_out(precision, sequential)}
+    strategies = [s for s in ORDER if VARIANTS[s].strategy not in refused]
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     rows = []
     # Every strategy without checkpointing first: recomputing the forward costs about a third
@@ -89,8 +88,10 @@ def make_plan(
             state = model_state(
                 strategy, n_params, devices, optimizer=optimizer, accounting=accounting, trainable=trainable, compute_bytes=compute_bytes
             )
-            act = acts.at(micro_batch, autocast=not strategy.startswith("fsdp")) if acts is not None else None
-            if act is not None and strategy == "pipeline":
+            cls = VARIANTS[strategy].strategy
+            # A strategy that casts parameters itself holds no autocast copies of the weights.
+            act = acts.at(micro_batch, autocast=not cls.handles_precision) if acts is not None else None
+            if act is not None and cls.splits_layers:
                 # A stage stores its own layers' activations: about 1/N of the model's. Under 1F1B
                 # the first stage holds at most N pipeline micro-batches at once, but they are cut
                 # from the same micro-batch, so at most all of it: 1/N of the activations.
@@ -106,3 +107,19 @@ def make_plan(
             lines += f"\n  activation_checkpointing: [{', '.join(checkpoint_classes)}]"
     return Plan(rows, choice, lines, n_params, devices, device_memory)
 
+
+def left_out(precision: str, sequential: bool = True) -> list[tuple[type[Strategy], str]]:
+    """The strategies of the plan's rows that refuse this precision or model, once each in row
+    order, with why (what `phalanx plan` prints)."""
+    out: list[tuple[type[Strategy], str]] = []
+    for name in ORDER:
+        cls = VARIANTS[name].strategy
+        if any(cls is seen for seen, _ in out):
+            continue
+        if precision not in cls.precisions:
+            others = " or ".join(sorted(cls.precisions - {"fp32"}))
+            why = f"it does not support {precision} (use {others})" if others else "it supports fp32 only for now"
+            out.append((cls, why))
+        elif cls.needs_sequential and not sequential:
+            out.append((cls, "the model is not an nn.Sequential"))
+    return out

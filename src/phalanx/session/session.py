@@ -45,6 +45,7 @@ from phalanx.runtime.precision import Precision
 from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
 from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
+from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
 from phalanx.strategies import create_strategy
@@ -72,7 +73,8 @@ class Session:
         self.strategy.setup_environment()
         self.precision = Precision(config.precision, self.topology.device)
         self.compute = Compute(config.compute)
-        self.metrics = create_recorder(config, self.topology, self.context and self.context.run_dir, self.strategy.name)
+        run_dir = self.context and self.context.run_dir
+        self.metrics = create_recorder(config, self.topology, run_dir, local_forward=self.strategy.local_forward)
         self.memory_cap = MemoryCap.create(config.train.memory_cap, self.topology.device)
         if self.memory_cap is not None and self.device.type != "cuda":
             self.metrics.cpu_peak = self.memory_cap.used_bytes  # CUDA records the allocator's peak itself
@@ -272,7 +274,7 @@ class Session:
             return
         parts = [self.strategy.describe(), f"device {self.device.type}", f"precision {self.precision.mode}"]
         if self._models:
-            parts.append(_model_size(self._models))
+            parts.append(describe_model_size(self._models))
         if self.batch:
             parts.append(self.batch.describe())
         if self.lr_scaling:
@@ -281,6 +283,18 @@ class Session:
         if self.config.preset != "none":
             parts.append(f"preset {self.config.preset}")
         print("phalanx: " + " | ".join(parts), flush=True)
+        if self.context and self.context.run_dir:
+            write_run_facts(
+                self.context.run_dir,
+                strategy=self.strategy.name,
+                strategy_description=self.strategy.describe(),
+                device=self.device,
+                precision=self.precision.mode,
+                batch=self.batch,
+                models=self._models,
+                lr_scaling=self.lr_scaling.describe() if self.lr_scaling else None,
+                config_sources=self.config.sources,
+            )
         for note in self.compute.notes:
             print(note, flush=True)
 
@@ -557,18 +571,6 @@ def _close_ref(ref: "weakref.ref[Session]") -> None:
     session = ref()
     if session is not None:
         session.close(sync=False)
-
-
-def _model_size(models: list[nn.Module]) -> str:
-    """Trainable parameters on this rank, and their gradients' size: what DDP all-reduces per
-    step, which ``phalanx tune`` reads to know whether the bucket size can matter."""
-    params = [p for model in models for p in model.parameters() if p.requires_grad]
-    size, unit = float(sum(p.numel() * p.element_size() for p in params)), "B"
-    for bigger in ("KiB", "MiB", "GiB"):
-        if size >= 2**10:
-            size, unit = size / 2**10, bigger
-    text = f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
-    return f"{sum(p.numel() for p in params):,} trainable parameters ({text} of gradients)"
 
 
 def _seed_everything(seed: int) -> None:

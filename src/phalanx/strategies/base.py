@@ -1,8 +1,14 @@
-"""The surface every strategy offers the Session; a new strategy is one small subclass."""
+"""The surface every strategy offers the Session; a new strategy is one small subclass.
+
+A strategy also declares what it can do, as class attributes (the capabilities block below).
+Every other layer reads those instead of comparing strategy names: the launcher's and the
+Session's checks (checks.py), the planner, tune, the metrics. A subclass sets only what differs.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -10,12 +16,29 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.config.schema import Config
+from phalanx.config.sections import StrategyConfig
 from phalanx.errors import ConfigError
 from phalanx.topology import Topology
+
+PRECISIONS = ("fp32", "bf16", "fp16")  # precision.mode values, in the order messages list them
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What a strategy divides among its processes, at the peak of a training step."""
+
+    parameters: bool = False
+    gradients: bool = False
+    optimizer: bool = False
+    # Parameters are stored sharded, but the gathered compute copy of every one stays from forward
+    # until backward (FSDP without resharding): at the peak they are whole, shards besides.
+    keeps_gathered: bool = False
 
 
 class Strategy:
     name: ClassVar[str]
+
+    # -- capabilities ---------------------------------------------------------------------
     # How many processes per node the launcher starts: None means one per device.
     processes_per_node: ClassVar[int | None] = None
     # True when the strategy casts parameters itself, so the Session does not add autocast.
@@ -25,6 +48,42 @@ class Strategy:
     # How checkpoints hold model and optimizer state: "plain" (full state dicts, written by rank 0)
     # or "dcp" (each rank writes its own shards with torch.distributed.checkpoint).
     checkpoint_layout: ClassVar[str] = "plain"
+    # precision.mode values it trains under.
+    precisions: ClassVar[frozenset[str]] = frozenset(PRECISIONS)
+    # compute.compile / compute.channels_last apply to its wrapped model.
+    supports_compile: ClassVar[bool] = True
+    supports_channels_last: ClassVar[bool] = True
+    # What it shards (see sharding(), for strategies whose settings change it).
+    shards: ClassVar[Sharding] = Sharding()
+    # Gradients go through DDP's bucketed all-reduce: strategy.ddp's buckets and comm_hook apply.
+    ddp_buckets: ClassVar[bool] = False
+    # The unwrapped model is this process's whole model on its one device, and a forward of it
+    # alone starts no collective (so it may run on one rank only, e.g. to count FLOPs).
+    local_forward: ClassVar[bool] = False
+    # The model must be an nn.Sequential (its forward applies its children in order).
+    needs_sequential: ClassVar[bool] = False
+    # Each process holds its own run of the model's layers (pipeline stages): parameters and
+    # stored activations are disjoint across ranks, and a model's size is their sum.
+    splits_layers: ClassVar[bool] = False
+    # What a refusal for a missing capability adds after naming it: why, and the fix; keyed by
+    # the setting refused ("precision.mode", "compute.channels_last", ...). checks.py writes a
+    # generic fix where a strategy gives none.
+    advice: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def sharding(cls, settings: StrategyConfig) -> Sharding:
+        """What this strategy shards under ``settings`` (the config's ``strategy`` section)."""
+        return cls.shards
+
+    @classmethod
+    def micro_batch_multiple(cls, config: Config) -> int:
+        """The micro-batch size must be a multiple of this (pipeline: its pipeline micro-batches)."""
+        return 1
+
+    @classmethod
+    def check_settings(cls, config: Config, world_size: int | None, device: str | None) -> None:
+        """Refuse this strategy's own settings that cannot work (checks.py calls it, with the
+        process count and "cuda"/"cpu" where they are known). Nothing by default."""
 
     def __init__(self, config: Config, topology: Topology):
         self.config = config

@@ -20,6 +20,8 @@ _DDP_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parame
 class DDP(Strategy):
     name = "ddp"
     needs_process_group = True
+    ddp_buckets = True
+    local_forward = True  # the bare module under the DDP wrapper
 
     def __init__(self, config, topology):
         super().__init__(config, topology)

@@ -12,6 +12,7 @@ from phalanx.strategies.base import Strategy
 class DataParallel(Strategy):
     name = "dp"
     processes_per_node = 1
+    supports_compile = False
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.topology.is_main:

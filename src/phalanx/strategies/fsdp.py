@@ -4,13 +4,14 @@ over processes; parameters are all-gathered per shard unit for forward and backw
 from __future__ import annotations
 
 import contextlib
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.strategies.base import Sharding, Strategy
 from phalanx.util.modules import post_order, submodules_of
-from phalanx.strategies.base import Strategy
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
 
@@ -22,12 +23,34 @@ class FSDP(Strategy):
     needs_process_group = True
     handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
     checkpoint_layout = "dcp"
+    precisions = frozenset({"fp32", "bf16"})
+    supports_channels_last = False
+    shards = Sharding(parameters=True, gradients=True, optimizer=True)
+    advice: ClassVar[dict[str, str]] = {
+        "precision.mode": "(its loss scaling would need a sharded inf check); use bf16",
+        "compute.channels_last": (
+            "(FSDP2 cannot shard channels-last weights); use ddp or zero1, or set compute.channels_last: false"
+        ),
+    }
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
-        if config.precision.mode == "fp16":
-            raise ConfigError("strategy fsdp does not support precision.mode fp16 (its loss scaling would need a sharded inf check); use bf16")
         self._new_params: dict[int, nn.Parameter] = {}
+
+    @classmethod
+    def sharding(cls, settings) -> Sharding:
+        if settings.fsdp.reshard_after_forward:
+            return cls.shards  # ZeRO-3-like
+        return Sharding(gradients=True, optimizer=True, keeps_gathered=True)  # ZeRO-2-like
+
+    @classmethod
+    def check_settings(cls, config, world_size, device) -> None:
+        if config.strategy.fsdp.cpu_offload and device == "cpu":
+            raise ConfigError(
+                "strategy.fsdp.cpu_offload needs CUDA devices (it keeps the shards in CPU memory between their uses "
+                "on the GPU; CPU processes hold them there already); set strategy.fsdp.cpu_offload: false, "
+                "or launch on GPUs"
+            )
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         # Imported here: torch.distributed.fsdp costs a second at `import phalanx` otherwise.

@@ -20,6 +20,7 @@ from phalanx.strategies.placement import assign, placement_units, refuse_shared_
 class ModelParallel(Strategy):
     name = "model_parallel"
     processes_per_node = 1
+    supports_compile = False
 
     def __init__(self, config, topology):
         super().__init__(config, topology)

@@ -10,27 +10,36 @@ same as for every other strategy.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.strategies.base import Strategy
-from phalanx.util.optim import rebuild_arguments
-from phalanx.util.words import plural
+from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.deferred import DeferredOutput
 from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
+from phalanx.util.optim import rebuild_arguments
+from phalanx.util.words import plural
 
 
 class Pipeline(Strategy):
     name = "pipeline"
     needs_process_group = True
     checkpoint_layout = "dcp"
+    precisions = frozenset({"fp32"})
+    supports_compile = False
+    # A stage holds about 1/N of the layers (assuming balanced stages): all three are divided.
+    shards = Sharding(parameters=True, gradients=True, optimizer=True)
+    needs_sequential = True
+    splits_layers = True
+    advice: ClassVar[dict[str, str]] = {
+        "precision.mode": "(fp32 only for now); set precision.mode fp32, or use fsdp or ddp for bf16/fp16",
+    }
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
-        if config.precision.mode != "fp32":
-            raise ConfigError("strategy pipeline supports precision.mode fp32 only for now; use fsdp or ddp for bf16/fp16")
         self.stage_module: nn.Module | None = None
         self._units: list[tuple[str, nn.Module]] = []
         self._stage_of: list[int] = []
@@ -38,6 +47,22 @@ class Pipeline(Strategy):
         self._pending: tuple[DeferredOutput, torch.Tensor | None, int] | None = None
         self._losses: list[torch.Tensor] = []
         self._batch = 0  # the training micro-batch size the stages were built for
+
+    @classmethod
+    def check_settings(cls, config, world_size, device) -> None:
+        opts = config.strategy.pipeline
+        # torch's 1F1B schedule raises this inside setup() otherwise; GPipe runs with fewer.
+        if world_size is not None and opts.schedule == "1f1b" and opts.microbatches < world_size:
+            raise ConfigError(
+                f"strategy.pipeline.microbatches={opts.microbatches} is fewer than the {world_size} pipeline stages "
+                f"(one per process), but schedule 1f1b needs at least one per stage; set "
+                f"strategy.pipeline.microbatches={world_size} or more (dividing the micro-batch), "
+                "or strategy.pipeline.schedule=gpipe"
+            )
+
+    @classmethod
+    def micro_batch_multiple(cls, config) -> int:
+        return config.strategy.pipeline.microbatches  # each micro-batch is cut into these
 
     @classmethod
     def data_parallel_size_for(cls, world_size: int) -> int:

@@ -8,3 +8,4 @@ from phalanx.strategies.base import Strategy
 class SingleDevice(Strategy):
     name = "single"
     processes_per_node = 1
+    local_forward = True

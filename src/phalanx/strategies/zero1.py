@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.strategies.base import Sharding
+from phalanx.strategies.ddp import DDP
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
-from phalanx.strategies.ddp import DDP
 
 
 class Zero1(DDP):
     name = "zero1"
+    shards = Sharding(optimizer=True)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         # Imported here: torch.distributed.optim costs most of a second at `import phalanx`.
