@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(VENV)
@@ -12,8 +12,13 @@ setup: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/phalanx demo
 
+# Every tier: unit, integration (processes on gloo), gpu (skipped without CUDA).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The unit tier only: one process each, no launch and no spawn; under 2 minutes on 2 cores.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
