@@ -41,21 +41,59 @@ TARGET_CONTENDERS = "raw,phalanx-preset"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time-to-target", action="store_true", help="time-to-target mode instead of throughput")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"throughput workloads (default {','.join(WORKLOADS)})")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"throughput workloads (default {','.join(WORKLOADS)})"
+    )
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"time-to-target tasks (default {','.join(TASKS)})")
-    parser.add_argument("--contenders", default=None, help=f"from {','.join(CONTENDERS)} (default {THROUGHPUT_CONTENDERS}; time to target: {TARGET_CONTENDERS})")
+    parser.add_argument(
+        "--contenders",
+        default=None,
+        help=f"from {','.join(CONTENDERS)} (default {THROUGHPUT_CONTENDERS}; time to target: {TARGET_CONTENDERS})",
+    )
     parser.add_argument("--nproc-list", default=None, help="process counts (default 1,2; time to target: 2)")
-    parser.add_argument("--repeats", type=int, default=None, help="launches per contender and process count (default 3; --quick: 1)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per workload (default: each workload's own)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps before them (default: each workload's own)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 2 warm-up + 8 timed steps; time to target: 30 s per run")
-    parser.add_argument("--tiny", action="store_true", help="the test suite's size: 1 warm-up + 3 timed steps, a small eval batch")
-    parser.add_argument("--tuned-config", default=None, help="time to target: a phalanx config file (e.g. from `phalanx tune`) for the phalanx contenders")
-    parser.add_argument("--targets", default=None, help="time to target: accuracies per task, e.g. digits=0.98,teacher=0.72 (default: each task's own)")
-    parser.add_argument("--max-seconds", type=float, default=None, help="time to target: give up a run after this much training (default 240; --quick: 30)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="launches per contender and process count (default 3; --quick: 1)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per workload (default: each workload's own)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps before them (default: each workload's own)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 repeat, 2 warm-up + 8 timed steps; time to target: 30 s per run",
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="the test suite's size: 1 warm-up + 3 timed steps, a small eval batch"
+    )
+    parser.add_argument(
+        "--tuned-config",
+        default=None,
+        help="time to target: a phalanx config file (e.g. from `phalanx tune`) for the phalanx contenders",
+    )
+    parser.add_argument(
+        "--targets",
+        default=None,
+        help="time to target: accuracies per task, e.g. digits=0.98,teacher=0.72 (default: each task's own)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="time to target: give up a run after this much training (default 240; --quick: 30)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a launch is killed (default 600)")
-    parser.add_argument("--out", default="docs", help="where benchmarks.json, benchmarks.md and images/ go (default docs)")
-    parser.add_argument("--keep-runs", default=None, metavar="DIR", help="keep every launch's directory (log, result, phalanx run dir) under DIR")
+    parser.add_argument(
+        "--out", default="docs", help="where benchmarks.json, benchmarks.md and images/ go (default docs)"
+    )
+    parser.add_argument(
+        "--keep-runs",
+        default=None,
+        metavar="DIR",
+        help="keep every launch's directory (log, result, phalanx run dir) under DIR",
+    )
     args = parser.parse_args(argv)
     target = args.time_to_target
     args.contenders = (args.contenders or (TARGET_CONTENDERS if target else THROUGHPUT_CONTENDERS)).split(",")
@@ -68,12 +106,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.steps = 8 if args.steps is None else args.steps
     args.max_seconds = args.max_seconds or (30.0 if args.quick else 240.0)
     args.timeout = args.timeout or 600.0
-    for name, known, what in ((args.contenders, CONTENDERS, "contender"), (args.workloads, WORKLOADS, "workload"), (args.tasks, TASKS, "task")):
+    for name, known, what in (
+        (args.contenders, CONTENDERS, "contender"),
+        (args.workloads, WORKLOADS, "workload"),
+        (args.tasks, TASKS, "task"),
+    ):
         unknown = [n for n in name if n not in known]
         if unknown:
             parser.error(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(known)}")
     try:
-        args.targets = {task: float(value) for task, value in (item.split("=") for item in args.targets.split(","))} if args.targets else {}
+        args.targets = (
+            {task: float(value) for task, value in (item.split("=") for item in args.targets.split(","))}
+            if args.targets
+            else {}
+        )
     except ValueError:
         parser.error(f"--targets expects task=accuracy pairs such as digits=0.985,teacher=0.8; got {args.targets}")
     if set(args.targets) - set(TASKS):
@@ -89,7 +135,9 @@ def rotated(items: list[str], k: int) -> list[str]:
     return items[k:] + items[:k]
 
 
-def run_all(args: argparse.Namespace, scratch: Path, worker_args, tuned: str | None = None) -> tuple[list[Outcome], list[str]]:
+def run_all(
+    args: argparse.Namespace, scratch: Path, worker_args, tuned: str | None = None
+) -> tuple[list[Outcome], list[str]]:
     """Every launch, in order; returns the outcomes and one line per failure."""
     outcomes, failures, given_up, configs = [], [], {}, {}
     for name in args.contenders:
@@ -108,17 +156,29 @@ def run_all(args: argparse.Namespace, scratch: Path, worker_args, tuned: str | N
             for n in args.nprocs:
                 for name in rotated(args.contenders, repeat):
                     if name in given_up:  # recorded, so its rows say why
-                        outcomes.append(Outcome(name, n, repeat, 0.0, None, f"not run: {given_up[name]}", None, "", unit))
+                        outcomes.append(
+                            Outcome(name, n, repeat, 0.0, None, f"not run: {given_up[name]}", None, "", unit)
+                        )
                         continue
                     count += 1
                     contender = CONTENDERS[name]
-                    out = launch(contender, n, repeat, scratch / f"{count:03d}-{name}-x{n}", worker_args(contender, unit, n), timeout=args.timeout, config_file=configs[name])
+                    out = launch(
+                        contender,
+                        n,
+                        repeat,
+                        scratch / f"{count:03d}-{name}-x{n}",
+                        worker_args(contender, unit, n),
+                        timeout=args.timeout,
+                        config_file=configs[name],
+                    )
                     out.unit = unit
                     outcomes.append(out)
                     print(_progress(out, repeat, args.repeats, unit), file=sys.stderr, flush=True)
                     if out.error:
                         log = f" (log: {out.log})" if args.keep_runs else ""
-                        failures.append(f"{name} x{n}, repeat {repeat + 1}{f', {unit}' if unit else ''}: {out.error}{log}")
+                        failures.append(
+                            f"{name} x{n}, repeat {repeat + 1}{f', {unit}' if unit else ''}: {out.error}{log}"
+                        )
                         if out.exit_code == 2:  # a usage or config error: the same every time
                             given_up[name] = out.error
     return outcomes, failures
@@ -220,9 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     section.update(
         date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         machine=report.machine(),
-        command=" ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/compare.py", *(sys.argv[1:] if argv is None else argv)]),
+        command=" ".join(
+            shlex.quote(a)
+            for a in [".venv/bin/python", "benchmarks/compare.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
     )
-    chart = (report.TARGET_CHART if args.time_to_target else report.THROUGHPUT_CHART).format(device="cpu")  # CPU processes only
+    chart = (report.TARGET_CHART if args.time_to_target else report.THROUGHPUT_CHART).format(
+        device="cpu"
+    )  # CPU processes only
     try:
         (report.target_chart if args.time_to_target else report.throughput_chart)(section, out / chart)
         section["chart"] = chart
@@ -236,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     data_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     (out / "benchmarks.md").write_text(report.render(data), encoding="utf-8")
     readings = section["readings"]
-    for line in [f"{w}, {line}" for w, lines in readings.items() for line in lines] if isinstance(readings, dict) else readings:
+    for line in (
+        [f"{w}, {line}" for w, lines in readings.items() for line in lines] if isinstance(readings, dict) else readings
+    ):
         print(line)
     print(f"wrote {out / 'benchmarks.md'}, {data_file}" + (f", {out / chart}" if "chart" in section else ""))
     return 0

@@ -31,7 +31,9 @@ from overhead import IN, OUT, make_data, make_model  # noqa: E402  (the same MLP
 
 def digits_accuracy(mode: str, epochs: int) -> tuple[float, float]:
     """Train the demo CNN on the GPU in one precision; returns (test accuracy, final loss)."""
-    session = phalanx.Session(phalanx.Config(), strategy="single", precision=mode, train={"epochs": epochs, "progress": False})
+    session = phalanx.Session(
+        phalanx.Config(), strategy="single", precision=mode, train={"epochs": epochs, "progress": False}
+    )
     train_set, test_set = train_test_split()
     model = DigitsCNN()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -90,7 +92,13 @@ def throughput(use_phalanx: bool, steps: int, micro: int, mode: str, compile_mod
 
 def single_gpu_session(**sections) -> phalanx.Session:
     """One process on the GPU, no bar or summary, and never a resume from a checkpoints/ directory lying around."""
-    return phalanx.Session(phalanx.Config(), strategy="single", train={"progress": False, "metrics": False}, checkpoint={"resume": "never"}, **sections)
+    return phalanx.Session(
+        phalanx.Config(),
+        strategy="single",
+        train={"progress": False, "metrics": False},
+        checkpoint={"resume": "never"},
+        **sections,
+    )
 
 
 def teacher_data(n: int) -> TensorDataset:
@@ -126,7 +134,13 @@ def precision_run(mode: str, steps: int, micro: int) -> dict:
     losses = train_losses(session, model, loader)
     update = torch.cat([p.detach().flatten().float().cpu() for p in session.unwrap(model).parameters()]) - initial
     scaler = session.precision.scaler
-    out = {"losses": losses, "update": update, "dtype": dtypes[0], "stepped": session.step_count, "scale": scaler.get_scale() if scaler else None}
+    out = {
+        "losses": losses,
+        "update": update,
+        "dtype": dtypes[0],
+        "stepped": session.step_count,
+        "scale": scaler.get_scale() if scaler else None,
+    }
     session.close()
     return out
 
@@ -162,7 +176,10 @@ def prefetch_batches(prefetch: bool, workers: int) -> tuple[list, tuple[str, boo
     """Every batch of two shuffled epochs as the training loop receives it."""
     session = single_gpu_session(data={"num_workers": workers, "prefetch_to_device": prefetch})
     g = torch.Generator().manual_seed(2)
-    data = TensorDataset(torch.randint(0, 256, (640, 3, 64, 64), dtype=torch.uint8, generator=g), torch.randint(0, 10, (640,), generator=g))
+    data = TensorDataset(
+        torch.randint(0, 256, (640, 3, 64, 64), dtype=torch.uint8, generator=g),
+        torch.randint(0, 10, (640,), generator=g),
+    )
     loader = session.setup(DataLoader(data, batch_size=64, shuffle=True))
     kind = (type(loader.transfer).__name__, loader.fetch_ahead)
     batches = []
@@ -205,8 +222,13 @@ def copy_heavy_model() -> nn.Module:
     # Little compute per byte of input, so the host-to-device copy is a large part of each step.
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+        nn.Conv2d(3, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
     )
 
 
@@ -223,7 +245,13 @@ def loader_step_time(prefetch: bool, toy: str, steps: int, warmup: int = 10) -> 
     g = torch.Generator().manual_seed(3)
     if toy == "pinned":
         micro, workers = 128, 0
-        pool = [(torch.randn(micro, 3, 128, 128, generator=g).pin_memory(), torch.randint(0, 10, (micro,), generator=g).pin_memory()) for _ in range(8)]
+        pool = [
+            (
+                torch.randn(micro, 3, 128, 128, generator=g).pin_memory(),
+                torch.randint(0, 10, (micro,), generator=g).pin_memory(),
+            )
+            for _ in range(8)
+        ]
         data = TensorDataset(torch.arange(micro * (warmup + steps)))
 
         def collate(items):
@@ -232,7 +260,10 @@ def loader_step_time(prefetch: bool, toy: str, steps: int, warmup: int = 10) -> 
         raw = DataLoader(data, batch_size=micro, shuffle=True, collate_fn=collate)
     else:
         micro, workers = 64, 4
-        data = Cycled(TensorDataset(torch.randn(512, 3, 128, 128, generator=g), torch.randint(0, 10, (512,), generator=g)), micro * (warmup + steps))
+        data = Cycled(
+            TensorDataset(torch.randn(512, 3, 128, 128, generator=g), torch.randint(0, 10, (512,), generator=g)),
+            micro * (warmup + steps),
+        )
         raw = DataLoader(data, batch_size=micro, shuffle=True, num_workers=workers)
     model = copy_heavy_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -287,7 +318,9 @@ def compile_rows(steps: int, micro: int) -> list[tuple[str, str, str]]:
     compiled_losses, compiled = compile_run(True, steps, micro)
     took = time.perf_counter() - started
     loss_diff = max(abs(a - b) for a, b in zip(eager_losses, compiled_losses))
-    weight_diff = max(((compiled[k] - eager[k]).abs().max() / eager[k].abs().max().clamp_min(1e-12)).item() for k in eager)
+    weight_diff = max(
+        ((compiled[k] - eager[k]).abs().max() / eager[k].abs().max().clamp_min(1e-12)).item() for k in eager
+    )
     ok = len(compiled_losses) == len(eager_losses) == steps and loss_diff <= 1e-4 and weight_diff <= 1e-3
     figure = f"{steps} steps: loss differs by {loss_diff:.1e} at most, weights by {weight_diff:.1e} (relative); compiling and running took {took:.0f}s"
     return [("MLP fp32 compute.compile vs eager", figure, "ok" if ok else "FAIL")]
@@ -301,14 +334,22 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit(f"gpu_check: no CUDA device visible (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); run it on a machine with a GPU")
+        sys.exit(
+            f"gpu_check: no CUDA device visible (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); run it on a machine with a GPU"
+        )
     name = torch.cuda.get_device_name(0)
     rows = []
     base_acc, _ = digits_accuracy("fp32", args.epochs)
     for mode in ("fp32", "bf16", "fp16"):
         acc, loss = digits_accuracy(mode, args.epochs)
         ok = acc >= 0.95 and abs(acc - base_acc) <= 0.02
-        rows.append((f"digits CNN {mode}", f"test accuracy {acc:.4f} (fp32 {base_acc:.4f}), loss {loss:.4f}", "ok" if ok else "FAIL"))
+        rows.append(
+            (
+                f"digits CNN {mode}",
+                f"test accuracy {acc:.4f} (fp32 {base_acc:.4f}), loss {loss:.4f}",
+                "ok" if ok else "FAIL",
+            )
+        )
     rows += precision_rows(30, args.micro_batch)
     rows += prefetch_identity_rows()
     rows += prefetch_speed_rows(100, args.repeats)
@@ -320,7 +361,9 @@ def main() -> None:
             ours.append(throughput(True, args.steps, args.micro_batch, mode))
         r, p = statistics.median(raw), statistics.median(ours)
         rows.append((f"MLP {mode} raw loop", f"{r:,.0f} samples/s", "-"))
-        rows.append((f"MLP {mode} phalanx", f"{p:,.0f} samples/s ({p / r:.3f}x raw)", "ok" if p / r >= 0.95 else "SLOW"))
+        rows.append(
+            (f"MLP {mode} phalanx", f"{p:,.0f} samples/s ({p / r:.3f}x raw)", "ok" if p / r >= 0.95 else "SLOW")
+        )
     compiled = throughput(True, args.steps, args.micro_batch, "bf16", compile_model=True)
     rows.append(("MLP bf16 phalanx + torch.compile", f"{compiled:,.0f} samples/s", "ok"))
 

@@ -125,31 +125,50 @@ def optimizer_steps(repeats: int = 40) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--study", choices=sorted(STUDIES), help="a set of variants to compare")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="one variant against the defaults (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one variant against the defaults (repeatable)",
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--optimizer-steps", action="store_true", help="time optimizer.step() alone per implementation, in this process")
+    parser.add_argument(
+        "--optimizer-steps", action="store_true", help="time optimizer.step() alone per implementation, in this process"
+    )
     args = parser.parse_args()
     if args.optimizer_steps:
         optimizer_steps()
         return
-    variants = STUDIES[args.study] if args.study else [("defaults", []), (" ".join(args.overrides) or "defaults", args.overrides)]
+    variants = (
+        STUDIES[args.study]
+        if args.study
+        else [("defaults", []), (" ".join(args.overrides) or "defaults", args.overrides)]
+    )
     # On a shared machine other jobs stretch some steps: the median step of all repeats, and the
     # 10th percentile (the steps nothing else slowed down), are reported side by side.
     steps: dict[str, list[float]] = {label: [] for label, _ in variants}
     samples = args.micro_batch * args.nproc
     for repeat in range(args.repeats):
         for label, overrides in variants:
-            times = phalanx.spawn(measure, nprocs=args.nproc, args=(overrides, args.micro_batch, args.warmup, args.steps), timeout=900)[0]
+            times = phalanx.spawn(
+                measure, nprocs=args.nproc, args=(overrides, args.micro_batch, args.warmup, args.steps), timeout=900
+            )[0]
             steps[label].extend(times)
             print(f"  repeat {repeat + 1}: {label}: median step {statistics.median(times) * 1e3:.1f} ms", flush=True)
     rates = {label: (samples / statistics.median(t), samples / _quantile(t, 0.1)) for label, t in steps.items()}
     base = rates[variants[0][0]]
-    print(f"\n{args.nproc} process(es), micro-batch {args.micro_batch}, {args.repeats} x {args.steps} steps after {args.warmup} of warm-up each:\n")
-    print("| variant | samples/s (median step) | vs first | samples/s (10th-percentile step) | vs first |\n| --- | ---: | ---: | ---: | ---: |")
+    print(
+        f"\n{args.nproc} process(es), micro-batch {args.micro_batch}, {args.repeats} x {args.steps} steps after {args.warmup} of warm-up each:\n"
+    )
+    print(
+        "| variant | samples/s (median step) | vs first | samples/s (10th-percentile step) | vs first |\n| --- | ---: | ---: | ---: | ---: |"
+    )
     for label, (median, fast) in rates.items():
         print(f"| {label} | {median:,.0f} | {median / base[0]:.2f}x | {fast:,.0f} | {fast / base[1]:.2f}x |")
 

@@ -84,13 +84,14 @@ def worker(repeats: int, steps: int, micro: int) -> dict:
             runs[route].append(_one(route, batches, steps))
     floor = runs["false"][0]["state"]
     same = {
-        route: all(torch.equal(run["state"][k], floor[k]) for run in runs[route] for k in floor)
-        for route in ROUTES
+        route: all(torch.equal(run["state"][k], floor[k]) for run in runs[route] for k in floor) for route in ROUTES
     }
     return {
         route: {
-            "switch_s": [r["switch_s"] for r in rs], "step_s": [r["step_s"] for r in rs],
-            "held_bytes": rs[0]["held_bytes"], "equal_to_false": same[route],
+            "switch_s": [r["switch_s"] for r in rs],
+            "step_s": [r["step_s"] for r in rs],
+            "held_bytes": rs[0]["held_bytes"],
+            "equal_to_false": same[route],
         }
         for route, rs in runs.items()
     }
@@ -105,18 +106,24 @@ def main() -> None:
     out = phalanx.spawn(worker, nprocs=2, args=(args.repeats, args.steps, args.micro_batch), timeout=1800, cpu=True)[0]
     med = {route: {k: statistics.median(v[k]) for k in ("switch_s", "step_s")} for route, v in out.items()}
     params = sum(p.numel() for p in make_model().parameters())
-    print(f"MLP ({params:,} parameters, fp32), 2 gloo processes, micro-batch {args.micro_batch}, "
-          f"{args.steps} timed steps, median of {args.repeats}; torch {torch.__version__}, {os.cpu_count()} cores")
-    print(f"{'route':8s} {'switch ms':>10s} {'x surgery':>10s} {'step ms':>8s} {'x surgery':>10s} {'spread':>7s} "
-          f"{'extra MB':>9s}  weights == false")
+    print(
+        f"MLP ({params:,} parameters, fp32), 2 gloo processes, micro-batch {args.micro_batch}, "
+        f"{args.steps} timed steps, median of {args.repeats}; torch {torch.__version__}, {os.cpu_count()} cores"
+    )
+    print(
+        f"{'route':8s} {'switch ms':>10s} {'x surgery':>10s} {'step ms':>8s} {'x surgery':>10s} {'spread':>7s} "
+        f"{'extra MB':>9s}  weights == false"
+    )
     for route in ROUTES:
         m, s = med[route], med["surgery"]
         steps = out[route]["step_s"]
         spread = (max(steps) - min(steps)) / m["step_s"]
         switch_ratio = f"{m['switch_s'] / s['switch_s']:10.2f}" if route != "false" else f"{'-':>10s}"
-        print(f"{route:8s} {m['switch_s'] * 1e3:10.2f} {switch_ratio} "
-              f"{m['step_s'] * 1e3:8.2f} {m['step_s'] / s['step_s']:10.3f} "
-              f"{spread:7.0%} {out[route]['held_bytes'] / 1e6:9.1f}  {out[route]['equal_to_false']}")
+        print(
+            f"{route:8s} {m['switch_s'] * 1e3:10.2f} {switch_ratio} "
+            f"{m['step_s'] * 1e3:8.2f} {m['step_s'] / s['step_s']:10.3f} "
+            f"{spread:7.0%} {out[route]['held_bytes'] / 1e6:9.1f}  {out[route]['equal_to_false']}"
+        )
 
 
 if __name__ == "__main__":

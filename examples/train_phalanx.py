@@ -17,7 +17,9 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
 loader = DataLoader(train_set, batch_size=64, shuffle=True)  # 64 stays the global batch
 test_loader = DataLoader(test_set, batch_size=128)
 scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=5 * len(loader))
-model, optimizer, loader, test_loader, scheduler = session.setup(model, optimizer, loader, test_loader, scheduler)  # phalanx
+model, optimizer, loader, test_loader, scheduler = session.setup(
+    model, optimizer, loader, test_loader, scheduler
+)  # phalanx
 
 for epoch in session.epochs():  # phalanx
     model.train()

@@ -18,7 +18,10 @@ def _processes_with(token: bytes) -> set[int]:
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 # multiprocessing's resource tracker belongs to this pytest process and ends with it.
-                if token in (entry / "environ").read_bytes() and b"resource_tracker" not in (entry / "cmdline").read_bytes():
+                if (
+                    token in (entry / "environ").read_bytes()
+                    and b"resource_tracker" not in (entry / "cmdline").read_bytes()
+                ):
                     pids.add(int(entry.name))
             except OSError:
                 continue

@@ -74,7 +74,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contender", required=True)
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
-    parser.add_argument("--workloads", default="", help="throughput mode: comma-separated workloads, trained one after another")
+    parser.add_argument(
+        "--workloads", default="", help="throughput mode: comma-separated workloads, trained one after another"
+    )
     parser.add_argument("--tiny", action="store_true", help="a few steps each (the test suite)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the workload's)")
@@ -83,9 +85,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=None, help="training samples between evaluations")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="give up after this much training time")
     parser.add_argument("--max-samples", type=int, default=None, help="give up after this many training samples")
-    parser.add_argument("--lr-scale", type=float, default=1.0, help="raw loop: lr multiplier after warm-up (phalanx's rule, computed by the driver)")
+    parser.add_argument(
+        "--lr-scale",
+        type=float,
+        default=1.0,
+        help="raw loop: lr multiplier after warm-up (phalanx's rule, computed by the driver)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=0, help="raw loop: linear lr warm-up steps")
-    parser.add_argument("--warmup-start", type=float, default=0.0, help="raw loop: warm-up starts at this fraction of the scaled lr")
+    parser.add_argument(
+        "--warmup-start", type=float, default=0.0, help="raw loop: warm-up starts at this fraction of the scaled lr"
+    )
     return parser.parse_args()
 
 
@@ -109,7 +118,9 @@ def main(contender_prepare: Callable[[Job], Prepared], *, versions: dict[str, st
     if args.task:
         result["task"] = _to_target(args, contender_prepare, size)
     else:
-        result["workloads"] = {name: _throughput(args, name, contender_prepare, size) for name in args.workloads.split(",") if name}
+        result["workloads"] = {
+            name: _throughput(args, name, contender_prepare, size) for name in args.workloads.split(",") if name
+        }
     rank, _ = world()
     if rank == 0:
         Path(args.result).write_text(json.dumps(result, indent=1), encoding="utf-8")
@@ -151,7 +162,9 @@ def _throughput(args: argparse.Namespace, name: str, contender_prepare: Callable
         if start is not None and micro % prepared.accumulation == 0:
             marks.append(time.perf_counter())
     if len(marks) < 2:
-        raise SystemExit(f"{name}: the data ran out before a timed optimizer step ({micro} micro-steps of {prepared.accumulation} per step); raise --steps")
+        raise SystemExit(
+            f"{name}: the data ran out before a timed optimizer step ({micro} micro-steps of {prepared.accumulation} per step); raise --steps"
+        )
     timed = samples - warm_samples
     seconds = marks[-1] - start
     step_times = [b - a for a, b in zip(marks, marks[1:])]

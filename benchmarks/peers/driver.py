@@ -39,7 +39,13 @@ CONTENDERS = {
     for c in (
         Contender("raw", "raw DDP", "torchrun", "raw_ddp.py"),
         Contender("phalanx", "phalanx defaults", "phalanx", "phalanx_run.py"),
-        Contender("phalanx-preset", "phalanx preset=throughput", "phalanx", "phalanx_run.py", settings=(("preset", "throughput"),)),
+        Contender(
+            "phalanx-preset",
+            "phalanx preset=throughput",
+            "phalanx",
+            "phalanx_run.py",
+            settings=(("preset", "throughput"),),
+        ),
         Contender("accelerate", "Accelerate", "torchrun", "accelerate_run.py", needs="accelerate"),
         Contender("fabric", "Lightning Fabric", "torchrun", "fabric_run.py", needs="lightning_fabric"),
     )
@@ -72,12 +78,33 @@ def threads_per_process(nproc: int) -> int:
     return max(1, cpu_count() // nproc)
 
 
-def command(contender: Contender, nproc: int, run_dir: Path, worker_args: list[str], config_file: str | None) -> list[str]:
+def command(
+    contender: Contender, nproc: int, run_dir: Path, worker_args: list[str], config_file: str | None
+) -> list[str]:
     script = str(HERE / contender.script)
     args = ["--contender", contender.name, "--result", str(run_dir / "result.json"), *worker_args]
     if contender.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
-    cmd = [sys.executable, "-m", "phalanx", "launch", "--cpu", "--nproc", str(nproc), "--run-dir", str(run_dir / "runs")]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            script,
+            *args,
+        ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "phalanx",
+        "launch",
+        "--cpu",
+        "--nproc",
+        str(nproc),
+        "--run-dir",
+        str(run_dir / "runs"),
+    ]
     if config_file:
         cmd += ["--config", str(Path(config_file).resolve())]
     return [*cmd, script, *args]
@@ -99,7 +126,16 @@ def config_file(contender: Contender, tuned: str | None, directory: Path) -> str
     return str(path)
 
 
-def launch(contender: Contender, nproc: int, repeat: int, run_dir: Path, worker_args: list[str], *, timeout: float, config_file: str | None = None) -> Outcome:
+def launch(
+    contender: Contender,
+    nproc: int,
+    repeat: int,
+    run_dir: Path,
+    worker_args: list[str],
+    *,
+    timeout: float,
+    config_file: str | None = None,
+) -> Outcome:
     run_dir.mkdir(parents=True)
     log = run_dir / "launch.log"
     # torch elastic starts each worker in a session of its own, out of reach of a signal to the
@@ -112,7 +148,15 @@ def launch(contender: Contender, nproc: int, repeat: int, run_dir: Path, worker_
     started = time.perf_counter()
     error = None
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(cmd, cwd=run_dir, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=run_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -122,7 +166,9 @@ def launch(contender: Contender, nproc: int, repeat: int, run_dir: Path, worker_
             _kill_carriers(token)
     wall = time.perf_counter() - started
     result_file = run_dir / "result.json"
-    result = json.loads(result_file.read_text(encoding="utf-8")) if result_file.is_file() and proc.returncode == 0 else None
+    result = (
+        json.loads(result_file.read_text(encoding="utf-8")) if result_file.is_file() and proc.returncode == 0 else None
+    )
     if result is None and error is None:
         error = f"exit code {proc.returncode}: {failure_reason(log)}"
     return Outcome(contender.name, nproc, repeat, wall, result, error, proc.returncode, str(log))

@@ -43,7 +43,12 @@ def prepare(job: Job) -> Prepared:
             scheduler.step()
 
     precision = str(getattr(fabric.strategy.precision, "precision", "?"))
-    info = {"micro_batch": job.micro_batch, "accumulation": 1, "precision": "fp32" if precision == "32-true" else precision, "wrapper": type(fabric.strategy).__name__}
+    info = {
+        "micro_batch": job.micro_batch,
+        "accumulation": 1,
+        "precision": "fp32" if precision == "32-true" else precision,
+        "wrapper": type(fabric.strategy).__name__,
+    }
     # Fabric sets the sampler's epoch itself at the start of each pass over the loader.
     return Prepared(model, loader, step, lambda epoch: None, job.micro_batch * fabric.world_size, info)
 

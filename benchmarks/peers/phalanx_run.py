@@ -45,9 +45,22 @@ def prepare(job: Job) -> Prepared:
         "wrapper": session.strategy.describe(),
         "lr": session.lr_scaling.describe(),
         # What differs from phalanx's defaults, and where it came from (file, preset, code, --set).
-        "settings": {key: f"{config.flat()[key]} ({source.split()[0]})" for key, source in config.sources.items() if source != "default"},
+        "settings": {
+            key: f"{config.flat()[key]} ({source.split()[0]})"
+            for key, source in config.sources.items()
+            if source != "default"
+        },
     }
-    return Prepared(model, loader, step, loader.set_epoch, plan.global_batch_size, info, close=session.close, accumulation=plan.accumulation_steps)
+    return Prepared(
+        model,
+        loader,
+        step,
+        loader.set_epoch,
+        plan.global_batch_size,
+        info,
+        close=session.close,
+        accumulation=plan.accumulation_steps,
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,12 @@ def prepare(job: Job) -> Prepared:
         if scheduler is not None:
             scheduler.step()
 
-    info = {"micro_batch": job.micro_batch, "accumulation": 1, "precision": "fp32", "wrapper": "DDP" if size > 1 else "none"}
+    info = {
+        "micro_batch": job.micro_batch,
+        "accumulation": 1,
+        "precision": "fp32",
+        "wrapper": "DDP" if size > 1 else "none",
+    }
     return Prepared(model, loader, step, sampler.set_epoch, job.micro_batch * size, info)
 
 

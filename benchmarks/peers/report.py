@@ -13,7 +13,13 @@ import torch
 
 THROUGHPUT_CHART = "images/benchmarks-{device}.png"
 TARGET_CHART = "images/time-to-target-{device}.png"
-COLORS = {"raw": "tab:grey", "phalanx": "tab:blue", "phalanx-preset": "tab:cyan", "accelerate": "tab:orange", "fabric": "tab:purple"}
+COLORS = {
+    "raw": "tab:grey",
+    "phalanx": "tab:blue",
+    "phalanx-preset": "tab:cyan",
+    "accelerate": "tab:orange",
+    "fabric": "tab:purple",
+}
 
 
 def machine() -> dict:
@@ -38,7 +44,14 @@ def machine() -> dict:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = "not installed"
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "os": platform.platform(), "gpu": "none (CPU processes on gloo)", "versions": versions}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": memory,
+        "os": platform.platform(),
+        "gpu": "none (CPU processes on gloo)",
+        "versions": versions,
+    }
 
 
 def describe_machine(m: dict) -> str:
@@ -97,7 +110,9 @@ def _throughput(t: dict) -> list[str]:
         ]
         for r in rows:
             if r.get("samples_per_s") is None:
-                out.append(f"| {r['label']} | {r['nproc']} | | | failed | | | | | | {'; '.join(r['errors']) or 'no result'} |")
+                out.append(
+                    f"| {r['label']} | {r['nproc']} | | | failed | | | | | | {'; '.join(r['errors']) or 'no result'} |"
+                )
                 continue
             runs = r["samples_per_s_runs"]
             out.append(
@@ -109,7 +124,12 @@ def _throughput(t: dict) -> list[str]:
         out += [f"Reading, {line}" for line in t["readings"].get(workload, [])]
         out.append("")
     if t.get("launches"):
-        out += ["### Start-up: one launch, process start to exit, all workloads included", "", "| contender | processes | seconds (median) |", "| --- | ---: | ---: |"]
+        out += [
+            "### Start-up: one launch, process start to exit, all workloads included",
+            "",
+            "| contender | processes | seconds (median) |",
+            "| --- | ---: | ---: |",
+        ]
         out += [f"| {r['label']} | {r['nproc']} | {r['wall_s']:.1f} |" for r in t["launches"]]
         out.append("")
     if t.get("failures"):
@@ -127,7 +147,9 @@ def _time_to_target(t: dict) -> list[str]:
     ]
     for r in t["rows"]:
         if not r["runs"]:
-            out.append(f"| {r['task']} | {r['label']} | {r['nproc']} | | failed | | | | | | {'; '.join(r['errors']) or 'no result'} |")
+            out.append(
+                f"| {r['task']} | {r['label']} | {r['nproc']} | | failed | | | | | | {'; '.join(r['errors']) or 'no result'} |"
+            )
             continue
         out.append(
             f"| {r['task']} | {r['label']} | {r['nproc']} | {r['target_accuracy']:g} | {r['reached']}/{r['runs']} | "
@@ -167,7 +189,7 @@ def _method() -> list[str]:
         "  train several workloads, each under a Session of its own, the phalanx worker creates the",
         "  gloo process group itself; phalanx keeps a group it finds. Only start-up differs.)",
         "- samples/s: global samples over the timed steps (after the warm-up steps, from a barrier,",
-        "  data loading included) divided by their wall time on rank 0. \"vs raw DDP\" divides medians",
+        '  data loading included) divided by their wall time on rank 0. "vs raw DDP" divides medians',
         "  measured in the same invocation; scaling efficiency is samples/s at N processes / (N x",
         "  samples/s at 1 process) of the same contender. Final loss: mean loss on a fixed held-out",
         "  batch after training, so a speed-up that harms training shows.",
@@ -210,7 +232,9 @@ def throughput_chart(t: dict, path: Path) -> None:
                 ax.bar(xs, heights, width, yerr=[low, high], capsize=2, color=COLORS.get(name), label=label)
                 for x, top, ratio in zip(xs, [h + e for h, e in zip(heights, high)], ratios):
                     if ratio is not None:  # above the error bar
-                        ax.annotate(f"{ratio:.2f}", (x, top), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+                        ax.annotate(
+                            f"{ratio:.2f}", (x, top), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7
+                        )
             ax.set_xticks(range(len(nprocs)), [str(n) for n in nprocs])
             ax.set_xlabel("processes")
             ax.set_ylabel("samples/s (median; bars: min-max)")
@@ -238,7 +262,14 @@ def target_chart(t: dict, path: Path) -> None:
             rows = [r for r in t["rows"] if r["task"] == task and r["runs"]]
             for r in rows:
                 for k, curve in enumerate(r["curves"]):
-                    ax.plot([p["seconds"] for p in curve], [p["accuracy"] for p in curve], color=COLORS.get(r["contender"]), alpha=0.8, linewidth=1, label=f"{r['label']} x{r['nproc']}" if k == 0 else None)
+                    ax.plot(
+                        [p["seconds"] for p in curve],
+                        [p["accuracy"] for p in curve],
+                        color=COLORS.get(r["contender"]),
+                        alpha=0.8,
+                        linewidth=1,
+                        label=f"{r['label']} x{r['nproc']}" if k == 0 else None,
+                    )
             if rows:
                 ax.axhline(rows[0]["target_accuracy"], color="black", linestyle="--", linewidth=1, label="target")
             ax.set_xlabel("seconds of training (evaluation included)")

@@ -17,14 +17,23 @@ def _errors(outcomes: Iterable[Outcome], contender: str, nproc: int) -> list[str
     return sorted({o.error for o in outcomes if o.contender == contender and o.nproc == nproc and o.error})
 
 
-def throughput_rows(outcomes: list[Outcome], workloads: list[str], contenders: list[str], nprocs: list[int]) -> list[dict]:
+def throughput_rows(
+    outcomes: list[Outcome], workloads: list[str], contenders: list[str], nprocs: list[int]
+) -> list[dict]:
     rows = []
     for workload in workloads:
         for n in nprocs:
             for name in contenders:
                 runs = [o for o in outcomes if o.contender == name and o.nproc == n and o.result]
                 figures = [o.result["workloads"][workload] for o in runs if workload in o.result["workloads"]]
-                row = {"workload": workload, "contender": name, "label": CONTENDERS[name].label, "nproc": n, "runs": len(figures), "errors": _errors(outcomes, name, n)}
+                row = {
+                    "workload": workload,
+                    "contender": name,
+                    "label": CONTENDERS[name].label,
+                    "nproc": n,
+                    "runs": len(figures),
+                    "errors": _errors(outcomes, name, n),
+                }
                 if figures:
                     rates = [f["samples_per_s"] for f in figures]
                     median = statistics.median(rates)
@@ -53,7 +62,9 @@ def _ratios(rows: list[dict]) -> None:
         one = by.get((r["workload"], r["contender"], 1))
         rate = r.get("samples_per_s")
         r["ratio_to_raw"] = rate / raw["samples_per_s"] if rate and raw and raw.get("samples_per_s") else None
-        r["scaling_efficiency"] = rate / (r["nproc"] * one["samples_per_s"]) if rate and one and one.get("samples_per_s") else None
+        r["scaling_efficiency"] = (
+            rate / (r["nproc"] * one["samples_per_s"]) if rate and one and one.get("samples_per_s") else None
+        )
 
 
 def launch_rows(outcomes: list[Outcome], contenders: list[str], nprocs: list[int]) -> list[dict]:
@@ -63,7 +74,15 @@ def launch_rows(outcomes: list[Outcome], contenders: list[str], nprocs: list[int
         for name in contenders:
             walls = [o.wall_s for o in outcomes if o.contender == name and o.nproc == n and o.result]
             if walls:
-                rows.append({"contender": name, "label": CONTENDERS[name].label, "nproc": n, "wall_s": statistics.median(walls), "launches": len(walls)})
+                rows.append(
+                    {
+                        "contender": name,
+                        "label": CONTENDERS[name].label,
+                        "nproc": n,
+                        "wall_s": statistics.median(walls),
+                        "launches": len(walls),
+                    }
+                )
     return rows
 
 
@@ -76,10 +95,16 @@ def readings(rows: list[dict]) -> dict[str, list[str]]:
         for n in sorted({r["nproc"] for r in rows if r["workload"] == workload}):
             ph, raw = by.get((workload, "phalanx", n)), by.get((workload, "raw", n))
             if not ph or not raw or ph.get("ratio_to_raw") is None:
-                lines.append(f"{n} process{'es' if n > 1 else ''}: no phalanx-against-raw figure (a contender failed or was not run).")
+                lines.append(
+                    f"{n} process{'es' if n > 1 else ''}: no phalanx-against-raw figure (a contender failed or was not run)."
+                )
                 continue
             ratio = ph["ratio_to_raw"]
-            spread = f"spread over {ph['runs']} runs: raw {raw['spread']:.0%}, phalanx {ph['spread']:.0%}" if min(ph["runs"], raw["runs"]) > 1 else "one run each, no spread"
+            spread = (
+                f"spread over {ph['runs']} runs: raw {raw['spread']:.0%}, phalanx {ph['spread']:.0%}"
+                if min(ph["runs"], raw["runs"]) > 1
+                else "one run each, no spread"
+            )
             text = (
                 f"{n} process{'es' if n > 1 else ''}: phalanx defaults run at {ratio:.3f}x raw DDP's samples/s "
                 f"(target: at most 2% slower, {'met' if ratio >= 1 - WITHIN_RAW else 'missed'}; {spread})"
@@ -89,10 +114,16 @@ def readings(rows: list[dict]) -> dict[str, list[str]]:
                 other = by.get((workload, peer, n))
                 if other and other.get("samples_per_s"):
                     rel = ph["samples_per_s"] / other["samples_per_s"]
-                    peers.append(f"{rel:.3f}x {other['label']} (target: not slower, 2% allowed for noise, {'met' if rel >= 1 - WITHIN_RAW else 'missed'})")
+                    peers.append(
+                        f"{rel:.3f}x {other['label']} (target: not slower, 2% allowed for noise, {'met' if rel >= 1 - WITHIN_RAW else 'missed'})"
+                    )
             if peers:
                 text += "; against the peers: " + ", ".join(peers)
-            losses = [r["final_loss"] for r in rows if r["workload"] == workload and r["nproc"] == n and r.get("final_loss") is not None]
+            losses = [
+                r["final_loss"]
+                for r in rows
+                if r["workload"] == workload and r["nproc"] == n and r.get("final_loss") is not None
+            ]
             if len(losses) > 1:
                 text += f"; final losses of all contenders {min(losses):.4f} to {max(losses):.4f}"
             lines.append(text + ".")
@@ -107,7 +138,14 @@ def target_rows(outcomes: list[Outcome], tasks: list[str], contenders: list[str]
             for name in contenders:
                 mine = [o for o in outcomes if o.unit == task]
                 runs = [o for o in mine if o.contender == name and o.nproc == n and o.result]
-                row = {"task": task, "contender": name, "label": CONTENDERS[name].label, "nproc": n, "runs": len(runs), "errors": _errors(mine, name, n)}
+                row = {
+                    "task": task,
+                    "contender": name,
+                    "label": CONTENDERS[name].label,
+                    "nproc": n,
+                    "runs": len(runs),
+                    "errors": _errors(mine, name, n),
+                }
                 if runs:
                     figures = [o.result["task"] for o in runs]
                     reached = [f for f in figures if f["reached"]]
@@ -129,7 +167,13 @@ def target_rows(outcomes: list[Outcome], tasks: list[str], contenders: list[str]
     for r in rows:
         raw = by.get((r["task"], "raw", r["nproc"]))
         # Only runs that all reached the target compare: a median over some misses would flatter.
-        ok = r.get("seconds") and r["reached"] == r["runs"] and raw and raw.get("seconds") and raw["reached"] == raw["runs"]
+        ok = (
+            r.get("seconds")
+            and r["reached"] == r["runs"]
+            and raw
+            and raw.get("seconds")
+            and raw["reached"] == raw["runs"]
+        )
         r["ratio_to_raw"] = r["seconds"] / raw["seconds"] if ok else None
     return rows
 
@@ -140,7 +184,9 @@ def target_readings(rows: list[dict]) -> list[str]:
         if r["contender"] == "raw":
             continue
         if r["ratio_to_raw"] is None:
-            lines.append(f"{r['task']}, {r['nproc']} processes, {r['label']}: no ratio (a run failed or missed the target).")
+            lines.append(
+                f"{r['task']}, {r['nproc']} processes, {r['label']}: no ratio (a run failed or missed the target)."
+            )
             continue
         met = "meets" if r["ratio_to_raw"] <= TIME_TO_TARGET_RATIO else "does not meet"
         lines.append(

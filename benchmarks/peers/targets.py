@@ -55,13 +55,27 @@ def _teacher_data() -> tuple[TensorDataset, TensorDataset]:
 
 TASKS = {
     "digits": Task(
-        "digits", "digits demo CNN (UCI digits, 1,437 train / 359 test images)", 64, 64,
-        _digits_model, _digits_data, lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=1e-4),
-        target=0.985, eval_every=512, max_samples=200_000,
+        "digits",
+        "digits demo CNN (UCI digits, 1,437 train / 359 test images)",
+        64,
+        64,
+        _digits_model,
+        _digits_data,
+        lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=1e-4),
+        target=0.985,
+        eval_every=512,
+        max_samples=200_000,
     ),
     "teacher": Task(
-        "teacher", "MLP 4x1024 (3.4M parameters) on labels of a random teacher network", 64, 64,
-        mlp, _teacher_data, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-        target=0.80, eval_every=4096, max_samples=2_000_000,
+        "teacher",
+        "MLP 4x1024 (3.4M parameters) on labels of a random teacher network",
+        64,
+        64,
+        mlp,
+        _teacher_data,
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        target=0.80,
+        eval_every=4096,
+        max_samples=2_000_000,
     ),
 }

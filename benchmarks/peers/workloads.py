@@ -69,9 +69,16 @@ def teacher_mlp_data(n: int, seed: int) -> TensorDataset:
 
 def convnet() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
     )
 
 
@@ -80,7 +87,9 @@ def image_data(n: int, seed: int) -> TensorDataset:
     linear teacher's choice on the latent, so a conv net can learn it from the pixels."""
     g = torch.Generator().manual_seed(seed)
     latent = torch.randn(n, 3, 4, 4, generator=g)
-    x = F.interpolate(latent, size=32, mode="bilinear", align_corners=False) + 0.5 * torch.randn(n, 3, 32, 32, generator=g)
+    x = F.interpolate(latent, size=32, mode="bilinear", align_corners=False) + 0.5 * torch.randn(
+        n, 3, 32, 32, generator=g
+    )
     readout = torch.randn(3 * 4 * 4, 10, generator=torch.Generator().manual_seed(TEACHER_SEED))
     return TensorDataset(x, (latent.flatten(1) @ readout).argmax(dim=1))
 
@@ -122,9 +131,42 @@ def _adamw(params: list) -> torch.optim.Optimizer:
 
 
 WORKLOADS = {
-    "mlp": Workload("mlp", "MLP 4x1024 (3.4M parameters), fp32, teacher labels", 64, 5, 40, mlp, teacher_mlp_data, 2048, _sgd, F.cross_entropy),
-    "conv": Workload("conv", "conv net on 3x32x32 images (0.27M parameters), teacher labels", 64, 3, 20, convnet, image_data, 512, _sgd, F.cross_entropy),
-    "gpt": Workload("gpt", "GPT 2 layers, d=128, context 64 (0.41M parameters), Markov tokens", 16, 3, 15, tiny_gpt, markov_tokens, 256, _adamw, token_loss),
+    "mlp": Workload(
+        "mlp",
+        "MLP 4x1024 (3.4M parameters), fp32, teacher labels",
+        64,
+        5,
+        40,
+        mlp,
+        teacher_mlp_data,
+        2048,
+        _sgd,
+        F.cross_entropy,
+    ),
+    "conv": Workload(
+        "conv",
+        "conv net on 3x32x32 images (0.27M parameters), teacher labels",
+        64,
+        3,
+        20,
+        convnet,
+        image_data,
+        512,
+        _sgd,
+        F.cross_entropy,
+    ),
+    "gpt": Workload(
+        "gpt",
+        "GPT 2 layers, d=128, context 64 (0.41M parameters), Markov tokens",
+        16,
+        3,
+        15,
+        tiny_gpt,
+        markov_tokens,
+        256,
+        _adamw,
+        token_loss,
+    ),
 }
 
 

@@ -26,8 +26,12 @@ from phalanx.errors import PhalanxError
 # What ddp_rebuild_reducer uses, as DDP's own _update_process_group path does, and the arguments of
 # _ddp_init_helper. Checked on torch 2.13.
 _REBUILD_NAMES = (
-    "_remove_autograd_hooks", "_build_params_for_reducer", "_ddp_init_helper", "_build_debug_param_to_name_mapping",
-    "_has_rebuilt_buckets", "_comm_hooks",
+    "_remove_autograd_hooks",
+    "_build_params_for_reducer",
+    "_ddp_init_helper",
+    "_build_debug_param_to_name_mapping",
+    "_has_rebuilt_buckets",
+    "_comm_hooks",
 )
 _INIT_HELPER_ARGS = ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"]
 
@@ -214,11 +218,13 @@ def sampler_has_custom_num_samples(sampler: RandomSampler) -> bool:
 # Private classes and functions that torch.distributed.checkpoint's pickled .metadata names (module,
 # name), allowed by checkpoint/safe.py's unpickler. Checked on torch 2.13. A torch that renames one
 # writes the new name; safe.py then refuses that file with its one-line error, nothing is executed.
-DCP_METADATA_PRIVATE_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-})
+DCP_METADATA_PRIVATE_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+    }
+)
 
 
 def dcp_set_element(root: dict, path: tuple, value: Any) -> None:

@@ -100,7 +100,9 @@ class Topology:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
             node_rank=int(env.get("GROUP_RANK", 0)),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            agent_store=(env["MASTER_ADDR"], int(env["MASTER_PORT"])) if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in env else None,
+            agent_store=(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+            if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in env
+            else None,
             launched=launched,
             device=pick_device(local_rank, force_cpu),
         )
@@ -146,7 +148,9 @@ def slurm_job(env: Mapping[str, str] | None = None) -> SlurmJob | None:
         node_id = int(env.get("SLURM_NODEID", 0))
     except ValueError:
         return None
-    return SlurmJob(env["SLURM_JOB_ID"], nnodes, node_id, env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    return SlurmJob(
+        env["SLURM_JOB_ID"], nnodes, node_id, env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    )
 
 
 def cpu_count() -> int:
@@ -160,9 +164,22 @@ def cpu_count() -> int:
 # What a bug report or `phalanx doctor` needs to see of the environment: the variables torchrun,
 # the launcher and the collective libraries read. Prefixes cover whole families (NCCL_IB_HCA, ...).
 _DISTRIBUTED_NAMES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_LAUNCH_BLOCKING", "NVIDIA_VISIBLE_DEVICES",
-    "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS", ENV_CONTEXT,
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "CUDA_LAUNCH_BLOCKING",
+    "NVIDIA_VISIBLE_DEVICES",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    ENV_CONTEXT,
 )
 _DISTRIBUTED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCH_NCCL_", "TORCHELASTIC_", "TORCH_CPP_LOG")
 

@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def _train(mode: str, steps: int = 30) -> tuple[list[float], Session]:
-    session = Session(Config(), strategy="single", precision=mode, batch={"global_batch_size": 32}, train={"progress": False})
+    session = Session(
+        Config(), strategy="single", precision=mode, batch={"global_batch_size": 32}, train={"progress": False}
+    )
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     loader = DataLoader(make_data(32 * steps), batch_size=32, shuffle=True)

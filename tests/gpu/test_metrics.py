@@ -18,5 +18,7 @@ def test_cuda_records_peak_memory_and_mfu_where_the_gpu_is_known(capsys):
     out = capsys.readouterr().out
     assert "peak memory" in out
     if peak_flops_per_s(torch.cuda.get_device_name(), "bf16") is not None:
-        assert session.metrics.flops_per_sample == 3 * 2 * (8 * 32 + 32 * 32 + 32 * 2)  # make_model's three Linear layers
+        assert session.metrics.flops_per_sample == 3 * 2 * (
+            8 * 32 + 32 * 32 + 32 * 2
+        )  # make_model's three Linear layers
         assert "MFU " in out

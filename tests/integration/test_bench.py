@@ -13,7 +13,6 @@ from phalanx.bench.chart import have_matplotlib
 from phalanx.bench.figures import read_metrics, run_figures, steps_recorded
 from tests.helpers.cli import run_phalanx
 
-
 # Trains until stopped with one process; fails at once with two.
 ENDLESS_OR_BROKEN = """
 import torch
@@ -37,7 +36,9 @@ for epoch in session.epochs():
 @pytest.mark.multiprocess
 def test_a_script_is_stopped_after_the_steps_and_a_failing_run_is_named_with_its_log(tmp_path):
     (tmp_path / "train.py").write_text(ENDLESS_OR_BROKEN)
-    result = run_phalanx("bench", "--nproc-list", "1,2", "--steps", "6", "--warmup", "2", "--cpu", "train.py", cwd=tmp_path, timeout=150)
+    result = run_phalanx(
+        "bench", "--nproc-list", "1,2", "--steps", "6", "--warmup", "2", "--cpu", "train.py", cwd=tmp_path, timeout=150
+    )
     (bench,) = (tmp_path / "runs").glob("*-bench")
     # The 1-process run never ends by itself: bench stopped it like Ctrl-C once it had its steps.
     assert "stopped by signal SIGINT" in (bench / "n1" / "launch.log").read_text(), result.output
@@ -54,7 +55,21 @@ def test_a_script_is_stopped_after_the_steps_and_a_failing_run_is_named_with_its
 
 @pytest.mark.multiprocess
 def test_bench_of_the_demo_on_one_and_two_processes(tmp_path):
-    result = run_phalanx("bench", "--demo", "--nproc-list", "1,2", "--steps", "8", "--warmup", "2", "--cpu", "--run-dir", "out", cwd=tmp_path, timeout=150)
+    result = run_phalanx(
+        "bench",
+        "--demo",
+        "--nproc-list",
+        "1,2",
+        "--steps",
+        "8",
+        "--warmup",
+        "2",
+        "--cpu",
+        "--run-dir",
+        "out",
+        cwd=tmp_path,
+        timeout=150,
+    )
     assert result.returncode == 0, result.output
     (bench,) = (tmp_path / "out").glob("*-bench")
     document = json.loads((bench / "bench.json").read_text())

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from phalanx.checkpoint.export import export, open_checkpoint
-
 from tests.helpers.checkpoints import saved_checkpoint
 from tests.helpers.cli import run_phalanx
 
@@ -63,7 +62,9 @@ def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
     delays = torch.Generator().manual_seed(7)
     interrupted = 0
     for trial in range(20):
-        proc = subprocess.Popen([sys.executable, str(script), str(ckpt)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(ckpt)], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             while proc.stdout.readline().strip() != "ready":
                 assert proc.poll() is None, "the saver died before its first checkpoint"

@@ -11,18 +11,27 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.helpers.cli import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-PEERS = [name for name, module in (("accelerate", "accelerate"), ("fabric", "lightning_fabric")) if importlib.util.find_spec(module)]
+PEERS = [
+    name
+    for name, module in (("accelerate", "accelerate"), ("fabric", "lightning_fabric"))
+    if importlib.util.find_spec(module)
+]
 
 
 def _compare(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "compare.py"), *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -43,8 +52,21 @@ def test_harness_end_to_end_tiny(tmp_path):
     contenders = ["raw", "phalanx", *PEERS]
     runs = tmp_path / "runs"
     result = _compare(
-        "--tiny", "--workloads", "mlp", "--contenders", ",".join(contenders), "--nproc-list", "1",
-        "--repeats", "1", "--out", str(tmp_path / "out"), "--keep-runs", str(runs), "--timeout", "120",
+        "--tiny",
+        "--workloads",
+        "mlp",
+        "--contenders",
+        ",".join(contenders),
+        "--nproc-list",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path / "out"),
+        "--keep-runs",
+        str(runs),
+        "--timeout",
+        "120",
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -79,7 +101,9 @@ def test_harness_end_to_end_tiny(tmp_path):
     assert "## Throughput" in markdown and "### mlp:" in markdown
     assert "| contender | processes | threads each | global batch | samples/s (median) |" in markdown
     assert f"`{section['command']}`" in markdown and "--tiny" in section["command"]
-    assert f"| raw DDP | 1 | {rows['raw']['threads_per_process']} | 64 | {rows['raw']['samples_per_s']:,.1f} |" in markdown
+    assert (
+        f"| raw DDP | 1 | {rows['raw']['threads_per_process']} | 64 | {rows['raw']['samples_per_s']:,.1f} |" in markdown
+    )
     assert "Reading, 1 process: phalanx defaults run at" in markdown
     if importlib.util.find_spec("matplotlib"):
         chart = tmp_path / "out" / section["chart"]

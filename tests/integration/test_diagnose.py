@@ -17,10 +17,24 @@ from tests.helpers.diagnose import ALL_CHECKS, GPU_CHECKS
 
 def test_env_prints_every_section(tmp_path):
     (tmp_path / "phalanx.yaml").write_text("precision:\n  mode: bf16\n")
-    result = run_phalanx("env", "--set", "train.epochs=3", cwd=tmp_path, timeout=60, env={"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1"})
+    result = run_phalanx(
+        "env", "--set", "train.epochs=3", cwd=tmp_path, timeout=60, env={"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.output
     out = result.stdout
-    for label in ("phalanx ", "Python ", "torch ", "OS ", "CPUs ", "RAM ", "/dev/shm ", "open files ", "GPUs ", "config ", "distributed environment variables"):
+    for label in (
+        "phalanx ",
+        "Python ",
+        "torch ",
+        "OS ",
+        "CPUs ",
+        "RAM ",
+        "/dev/shm ",
+        "open files ",
+        "GPUs ",
+        "config ",
+        "distributed environment variables",
+    ):
         assert f"\n{label}" in out or out.startswith(label), label
     torch_line = next(l for l in out.splitlines() if l.startswith("torch "))
     assert "(CUDA " in torch_line and ", NCCL " in torch_line  # "none" for each on a CPU build
@@ -31,10 +45,24 @@ def test_env_prints_every_section(tmp_path):
 
 
 def test_env_json(tmp_path):
-    result = run_phalanx("env", "--json", "--set", "train.epochs=3", cwd=tmp_path, timeout=60, env={"GLOO_SOCKET_IFNAME": "lo"})
+    result = run_phalanx(
+        "env", "--json", "--set", "train.epochs=3", cwd=tmp_path, timeout=60, env={"GLOO_SOCKET_IFNAME": "lo"}
+    )
     assert result.returncode == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"phalanx", "python", "torch", "os", "cpus", "ram", "shm", "open_files", "gpus", "config", "environment"}
+    assert set(data) == {
+        "phalanx",
+        "python",
+        "torch",
+        "os",
+        "cpus",
+        "ram",
+        "shm",
+        "open_files",
+        "gpus",
+        "config",
+        "environment",
+    }
     assert data["cpus"]["usable"] >= 1 and data["cpus"]["total"] >= data["cpus"]["usable"]
     assert data["ram"]["total_bytes"] > 0
     assert data["config"]["train.epochs"] == {"value": 3, "source": "--set"}
@@ -64,7 +92,9 @@ def test_doctor_json_on_this_machine(tmp_path):
             assert check["fix"], check
     if data["live"]["device"] == "cpu":  # no GPU here: the GPU checks say why they did not run
         for name in GPU_CHECKS:
-            assert checks[name]["status"] == SKIPPED and ("GPU" in checks[name]["detail"] or "CPU build" in checks[name]["detail"]), checks[name]
+            assert checks[name]["status"] == SKIPPED and (
+                "GPU" in checks[name]["detail"] or "CPU build" in checks[name]["detail"]
+            ), checks[name]
         assert checks["live all-reduce"]["status"] == OK
         assert data["live"]["backend"] == "gloo" and "loopback TCP" in data["live"]["link"]
         assert data["live"]["expected_bytes_per_second"] is None
@@ -87,7 +117,9 @@ def test_doctor_table_without_live(tmp_path):
 
 
 def test_doctor_exit_code_1_on_a_problem(tmp_path):
-    result = run_phalanx("doctor", "--no-live", "--json", cwd=tmp_path, timeout=60, env={"GLOO_SOCKET_IFNAME": "nosuchnic0"})
+    result = run_phalanx(
+        "doctor", "--no-live", "--json", cwd=tmp_path, timeout=60, env={"GLOO_SOCKET_IFNAME": "nosuchnic0"}
+    )
     assert result.returncode == 1, result.output
     check = next(c for c in json.loads(result.stdout)["checks"] if c["check"] == "env GLOO_SOCKET_IFNAME")
     assert check["status"] == PROBLEM and "nosuchnic0" in check["detail"] and "unset it" in check["fix"]

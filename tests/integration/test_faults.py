@@ -58,7 +58,9 @@ SCRIPT = textwrap.dedent(
 def _launch(tmp_path: Path, out: str, *args: str, env: dict | None = None, timeout: float = 120):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    return run_phalanx("launch", *args, str(script), cwd=tmp_path, timeout=timeout, env={"OUT": str(tmp_path / out), **(env or {})})
+    return run_phalanx(
+        "launch", *args, str(script), cwd=tmp_path, timeout=timeout, env={"OUT": str(tmp_path / out), **(env or {})}
+    )
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -70,7 +72,9 @@ def _same(a: Path, b: Path) -> bool:
 def reference(tmp_path_factory) -> Path:
     """An uninterrupted 2-process ddp run; saves every 6 steps (keeping the last 3)."""
     tmp = tmp_path_factory.mktemp("reference")
-    result = _launch(tmp, "ref.pt", "--nproc", "2", "--set", "checkpoint.save_every=6", "--set", "checkpoint.resume=never")
+    result = _launch(
+        tmp, "ref.pt", "--nproc", "2", "--set", "checkpoint.save_every=6", "--set", "checkpoint.resume=never"
+    )
     assert result.returncode == 0, result.output
     return tmp
 
@@ -78,7 +82,15 @@ def reference(tmp_path_factory) -> Path:
 def test_kill9_restart_resumes_to_the_same_weights(tmp_path, reference):
     kill_at = random.Random(4).randint(5, 20)
     result = _launch(
-        tmp_path, "out.pt", "--nproc", "2", "--max-restarts", "1", "--set", "checkpoint.save_every=3", env={"KILL_AT": str(kill_at)}
+        tmp_path,
+        "out.pt",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "--set",
+        "checkpoint.save_every=3",
+        env={"KILL_AT": str(kill_at)},
     )
     assert result.returncode == 0, result.output
     saved = kill_at - kill_at % 3
@@ -94,7 +106,12 @@ def test_sigterm_preemption_checkpoints_then_resumes(tmp_path, reference):
     env = {**os.environ, "OUT": str(tmp_path / "out.pt"), "STEP_SLEEP": "0.15"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "phalanx", "launch", "--nproc", "2", str(script)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -118,13 +135,24 @@ def test_sigterm_preemption_checkpoints_then_resumes(tmp_path, reference):
 
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp", "pipeline"])
 def test_each_strategy_resumes_exactly_and_exports(tmp_path, strategy):
-    first = _launch(tmp_path, "full.pt", "--nproc", "2", "--set", f"strategy.name={strategy}", "--set", "checkpoint.save_every=12")
+    first = _launch(
+        tmp_path, "full.pt", "--nproc", "2", "--set", f"strategy.name={strategy}", "--set", "checkpoint.save_every=12"
+    )
     assert first.returncode == 0, first.output
     # A second run that starts from the mid-run checkpoint, as if the first had died after step 12.
     (tmp_path / "resume").mkdir()
     os.rename(tmp_path / "checkpoints" / "step-00000012", tmp_path / "resume" / "step-00000012")
     again = _launch(
-        tmp_path, "resumed.pt", "--nproc", "2", "--set", f"strategy.name={strategy}", "--set", "checkpoint.dir=resume", "--set", "checkpoint.save_every=100"
+        tmp_path,
+        "resumed.pt",
+        "--nproc",
+        "2",
+        "--set",
+        f"strategy.name={strategy}",
+        "--set",
+        "checkpoint.dir=resume",
+        "--set",
+        "checkpoint.save_every=100",
     )
     assert again.returncode == 0, again.output
     assert "resumed from" in again.output and "step 12" in again.output
@@ -154,8 +182,9 @@ def test_resume_with_another_process_count_keeps_batch_and_position(tmp_path, re
 
 def test_crashing_rank_stops_the_job_within_seconds(tmp_path):
     script = tmp_path / "crash.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import time
         import phalanx
         session = phalanx.Session()
@@ -166,7 +195,8 @@ def test_crashing_rank_stops_the_job_within_seconds(tmp_path):
             raise ValueError("boom on rank 1")
         time.sleep(120)  # rank 0 is busy in its own code, in no collective
         """
-    ))
+        )
+    )
     result = run_phalanx("launch", "--nproc", "2", str(script), cwd=tmp_path, timeout=90)
     ended = time.time()
     assert result.returncode == 1, result.output
@@ -176,8 +206,9 @@ def test_crashing_rank_stops_the_job_within_seconds(tmp_path):
 
 def test_hang_is_detected_and_every_rank_stack_printed(tmp_path):
     script = tmp_path / "hang.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import time
         import torch
         import phalanx
@@ -187,7 +218,8 @@ def test_hang_is_detected_and_every_rank_stack_printed(tmp_path):
             if step == 3 and session.rank == 1:
                 time.sleep(600)
         """
-    ))
+        )
+    )
     started = time.monotonic()
     result = run_phalanx("launch", "--nproc", "2", str(script), cwd=tmp_path, timeout=90)
     assert result.returncode == 124, result.output
@@ -220,11 +252,27 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path, reference):
     script.write_text(SCRIPT)
     port = _free_port()
     env = {**os.environ, "OUT": str(tmp_path / "out.pt")}
-    common = ["--nproc", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}", "--set", "checkpoint.save_every=12", "--set", "checkpoint.resume=never"]
+    common = [
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--set",
+        "checkpoint.save_every=12",
+        "--set",
+        "checkpoint.resume=never",
+    ]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "phalanx", "launch", *common, "--node-rank", str(rank), str(script)],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         for rank in (0, 1)
     ]

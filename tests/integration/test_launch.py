@@ -53,7 +53,9 @@ def test_script_arguments_and_config_reach_the_workers(tmp_path):
         )
     )
     (tmp_path / "my.yaml").write_text("train:\n  epochs: 7\n")
-    result = run_phalanx("launch", "--config", "my.yaml", "--set", "precision.mode=bf16", "show.py", "--lr", "3e-4", cwd=tmp_path)
+    result = run_phalanx(
+        "launch", "--config", "my.yaml", "--set", "precision.mode=bf16", "show.py", "--lr", "3e-4", cwd=tmp_path
+    )
     assert result.returncode == 0, result.output
     assert "args ['--lr', '3e-4'] mode bf16 epochs 7 world 2 strategy ddp" in result.stdout
     saved = (only_run_dir(tmp_path) / "config.yaml").read_text()
@@ -62,7 +64,10 @@ def test_script_arguments_and_config_reach_the_workers(tmp_path):
 
 def test_two_jobs_at_once_do_not_collide(tmp_path):
     cmd = [sys.executable, "-m", "phalanx", "launch", str(EXAMPLES / "torchrun_plain.py")]
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
@@ -101,9 +106,18 @@ def test_user_error_inside_a_worker_is_one_line(tmp_path):
 BAD_INPUT = [
     (["launch", "missing.py"], "script 'missing.py' not found"),
     (["launch", "--gpus", "0,1", "ok.py"], "--gpus 0,1: no CUDA device is visible here"),
-    (["launch", "--set", "precision.mode=fp8", "ok.py"], "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16' or 'fp16'"),
-    (["launch", "--set", "batch.global_batch_size=64", "--set", "batch.micro_batch_size=24", "ok.py"], "global_batch_size 64 is not a multiple of micro_batch_size 24 x 2 processes = 48"),
-    (["launch", "--set", "strategy.name=zero9", "ok.py"], "unknown strategy 'zero9' in strategy.name; choose one of: auto, single, dp, ddp"),
+    (
+        ["launch", "--set", "precision.mode=fp8", "ok.py"],
+        "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16' or 'fp16'",
+    ),
+    (
+        ["launch", "--set", "batch.global_batch_size=64", "--set", "batch.micro_batch_size=24", "ok.py"],
+        "global_batch_size 64 is not a multiple of micro_batch_size 24 x 2 processes = 48",
+    ),
+    (
+        ["launch", "--set", "strategy.name=zero9", "ok.py"],
+        "unknown strategy 'zero9' in strategy.name; choose one of: auto, single, dp, ddp",
+    ),
     (["launch", "--config", "broken.yaml", "ok.py"], "config file 'broken.yaml' line 3 is not valid YAML"),
     (["launch", "--config", "nope.yaml", "ok.py"], "config file 'nope.yaml' not found"),
     (["launch", "--set", "strategy.name=dp", "--nproc", "2", "ok.py"], "strategy 'dp' runs in 1 process, not 2"),
@@ -143,7 +157,12 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
     (tmp_path / "sleepy.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "launch", "sleepy.py"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-m", "phalanx", "launch", "sleepy.py"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60

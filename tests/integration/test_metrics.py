@@ -11,7 +11,6 @@ from tests.helpers.cli import run_phalanx
 from tests.helpers.metrics import FIELDS
 from tests.helpers.scripts import tiny_training
 
-
 # -- a real launch ----------------------------------------------------------------------------
 # Rank 1 is slow before it reaches the gradient all-reduce.
 SLOWED = tiny_training(320, before_step="time.sleep(0.05 if session.rank == 1 else 0)", optim={"max_grad_norm": 5.0})

@@ -13,7 +13,9 @@ from tests.helpers.probes import held_bytes
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, planned", [("ddp", "ddp"), ("zero1", "zero1"), ("fsdp", "fsdp-zero3"), ("pipeline", "pipeline")])
+@pytest.mark.parametrize(
+    "strategy, planned", [("ddp", "ddp"), ("zero1", "zero1"), ("fsdp", "fsdp-zero3"), ("pipeline", "pipeline")]
+)
 def test_plan_matches_bytes_measured_in_a_training_step(strategy, planned):
     n_params = 8 * (64 * 64 + 64)  # the model held_bytes trains: 8 x Linear(64, 64), Adam
     measured = phalanx.spawn(held_bytes, nprocs=2, args=(strategy,), cpu=True, timeout=180)
@@ -25,7 +27,9 @@ def test_plan_matches_bytes_measured_in_a_training_step(strategy, planned):
 
 
 def test_cli_json_for_the_gpt_example(tmp_path):
-    result = run_phalanx("plan", "--example", "gpt", "--micro-batch", "4", "--device-memory", "0.02", "--json", cwd=tmp_path, timeout=120)
+    result = run_phalanx(
+        "plan", "--example", "gpt", "--micro-batch", "4", "--device-memory", "0.02", "--json", cwd=tmp_path, timeout=120
+    )
     assert result.returncode == 0, result.output
     data = json.loads(result.stdout)
     labels = [r["label"] for r in data["rows"]]
@@ -45,7 +49,10 @@ BAD = [
     (["--model", "nosuchpkg.models:build", "--input-shape", "3"], "cannot import 'nosuchpkg.models'"),
     (["--model", "phalanx.demo.digits:Nope", "--input-shape", "3"], "has no callable 'Nope'"),
     (["--model", "phalanx.demo.digits", "--input-shape", "3"], "--model expects package.module:factory"),
-    (["--model", "phalanx.demo.digits:DigitsCNN", "--model-arg", "colour=3", "--input-shape", "1,8,8"], "the model factory failed: TypeError"),
+    (
+        ["--model", "phalanx.demo.digits:DigitsCNN", "--model-arg", "colour=3", "--input-shape", "1,8,8"],
+        "the model factory failed: TypeError",
+    ),
     (["--model", "phalanx.demo.digits:DigitsCNN", "--input-shape", "3,5"], "does not run through the model"),
     (["--model", "phalanx.demo.digits:DigitsCNN"], "--input-shape is needed with --model"),
     (["--example", "digits", "--input-shape", "a,b"], "--input-shape expects positive comma-separated sizes"),

@@ -10,12 +10,14 @@ import pytest
 from tests.helpers.cli import run_phalanx
 from tests.helpers.scripts import tiny_training
 
-
 BAD = [
     (["--profile", "steps=8:5"], "phalanx: error: profile 'steps=8:5' traces no step: steps=A:B needs 1 <= A < B"),
     (["--profile", "foo"], "phalanx: error: profile 'foo' is not of the form steps=A:B"),
     (["--set", "train.profile=steps=3"], "phalanx: error: profile 'steps=3' is not of the form steps=A:B"),
-    (["--profile", "steps=1:2", "--profile-ranks", "a,b"], "phalanx: error: --profile-ranks expects comma-separated ranks such as 0,1; got 'a,b'"),
+    (
+        ["--profile", "steps=1:2", "--profile-ranks", "a,b"],
+        "phalanx: error: --profile-ranks expects comma-separated ranks such as 0,1; got 'a,b'",
+    ),
 ]
 
 
@@ -34,7 +36,19 @@ TRAIN = tiny_training(96)
 @pytest.mark.multiprocess
 def test_launch_profiles_the_chosen_ranks(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
-    result = run_phalanx("launch", "--cpu", "--nproc", "2", "--profile", "steps=2:4", "--profile-ranks", "0,1", "train.py", cwd=tmp_path, timeout=150)
+    result = run_phalanx(
+        "launch",
+        "--cpu",
+        "--nproc",
+        "2",
+        "--profile",
+        "steps=2:4",
+        "--profile-ranks",
+        "0,1",
+        "train.py",
+        cwd=tmp_path,
+        timeout=150,
+    )
     assert result.returncode == 0, result.output
     (run_dir,) = (tmp_path / "runs").iterdir()
     for rank in (0, 1):
@@ -42,7 +56,10 @@ def test_launch_profiles_the_chosen_ranks(tmp_path):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
         assert f"phalanx: profile of steps 2-3 on rank {rank}: {run_dir / 'profile' / f'rank{rank}.json'}" in log
     assert "phalanx: top 10 operators by self CPU time" in result.stdout and "aten::addmm" in result.stdout
-    assert f"phalanx: profile traces: {run_dir / 'profile' / 'rank0.json'}, {run_dir / 'profile' / 'rank1.json'}" in result.stdout
+    assert (
+        f"phalanx: profile traces: {run_dir / 'profile' / 'rank0.json'}, {run_dir / 'profile' / 'rank1.json'}"
+        in result.stdout
+    )
     saved = (run_dir / "config.yaml").read_text()
     assert "profile: steps=2:4" in saved and "profile_ranks: [0, 1]" in saved
 
@@ -50,6 +67,18 @@ def test_launch_profiles_the_chosen_ranks(tmp_path):
 @pytest.mark.multiprocess
 def test_a_profile_rank_that_does_not_exist_is_one_line(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
-    result = run_phalanx("launch", "--cpu", "--nproc", "2", "--set", "train.profile=steps=1:2", "--set", "train.profile_ranks=[3]", "train.py", cwd=tmp_path, timeout=120)
+    result = run_phalanx(
+        "launch",
+        "--cpu",
+        "--nproc",
+        "2",
+        "--set",
+        "train.profile=steps=1:2",
+        "--set",
+        "train.profile_ranks=[3]",
+        "train.py",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "phalanx: error: train.profile_ranks names rank 3, but this run has ranks 0-1"

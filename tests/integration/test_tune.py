@@ -28,9 +28,27 @@ def test_only_rank_1_over_the_cap_ends_the_trial_as_out_of_memory(tmp_path):
     (tmp_path / "train.py").write_text(MEMORY_SCRIPT)
     (tmp_path / "phalanx.yaml").write_text(USER_CONFIG.format(micro=4))
     result = run_phalanx(
-        "tune", "--cpu", "--nproc", "2", "--memory-cap", "192MiB", "--steps", "4", "--warmup", "1", "--search", "micro-batch",
-        "train.py", "--mib-per-sample", "16", "--rank1-mib-per-sample", "32", "--global-batch", "16",
-        cwd=tmp_path, timeout=160,
+        "tune",
+        "--cpu",
+        "--nproc",
+        "2",
+        "--memory-cap",
+        "192MiB",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--search",
+        "micro-batch",
+        "train.py",
+        "--mib-per-sample",
+        "16",
+        "--rank1-mib-per-sample",
+        "32",
+        "--global-batch",
+        "16",
+        cwd=tmp_path,
+        timeout=160,
     )
     assert result.returncode == 0, result.output
     document = tune_json(tmp_path)

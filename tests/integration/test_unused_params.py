@@ -46,7 +46,9 @@ def test_model_without_unused_parameters_ends_on_the_fast_path(capfd):
         assert all(torch.equal(a["state"][k], f["state"][k]) for k in f["state"])
     assert rel_diff(auto[0]["state"], reference(16, 5, model="mlp")) < 1e-5
     assert "got no gradient" not in printed.out
-    assert TORCH_NOTICE not in printed.err  # torch's notice that the search found nothing is phalanx's cue, not the user's
+    assert (
+        TORCH_NOTICE not in printed.err
+    )  # torch's notice that the search found nothing is phalanx's cue, not the user's
 
 
 def test_comm_hook_survives_the_switch_to_the_fast_path():
@@ -79,4 +81,6 @@ def test_find_unused_false_with_an_unused_parameter_is_one_clear_error():
     outs = phalanx.spawn(run, nprocs=2, args=args, cpu=True, timeout=TIMEOUT)
     for out in outs:
         assert out["steps"] == 0
-        assert out["error"].startswith("a parameter got no gradient in this step (head2.weight, head2.bias), and strategy.ddp.find_unused_parameters is false")
+        assert out["error"].startswith(
+            "a parameter got no gradient in this step (head2.weight, head2.bias), and strategy.ddp.find_unused_parameters is false"
+        )

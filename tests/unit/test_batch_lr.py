@@ -31,7 +31,12 @@ def test_plan_batch(world, global_bs, micro, expected):
 @pytest.mark.parametrize(
     "world, global_bs, micro, message",
     [
-        (3, 64, None, "global_batch_size 64 cannot be split evenly over 3 processes; use a multiple of 3 (e.g. 63 or 66)"),
+        (
+            3,
+            64,
+            None,
+            "global_batch_size 64 cannot be split evenly over 3 processes; use a multiple of 3 (e.g. 63 or 66)",
+        ),
         (2, 64, 24, "global_batch_size 64 is not a multiple of micro_batch_size 24 x 2 processes = 48"),
         (2, None, None, "set batch.global_batch_size"),
     ],

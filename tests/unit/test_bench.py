@@ -19,25 +19,48 @@ from phalanx.errors import PhalanxError
 
 def _record(rank, step, step_time, data_wait, samples, peak=0):
     return {
-        "rank": rank, "step": step, "epoch": 0, "time": 1000.0 + step, "step_time": step_time, "data_wait": data_wait,
-        "samples": samples, "samples_per_s": samples / step_time, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "peak_mem_bytes": peak,
+        "rank": rank,
+        "step": step,
+        "epoch": 0,
+        "time": 1000.0 + step,
+        "step_time": step_time,
+        "data_wait": data_wait,
+        "samples": samples,
+        "samples_per_s": samples / step_time,
+        "loss": 1.0,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "peak_mem_bytes": peak,
     }
 
 
-def _write_metrics(directory: Path, nproc: int, steps: list[tuple[float, float]], samples: int, slow_rank_extra: float = 0.0) -> Path:
+def _write_metrics(
+    directory: Path, nproc: int, steps: list[tuple[float, float]], samples: int, slow_rank_extra: float = 0.0
+) -> Path:
     """One rank<N>.jsonl per rank; ``steps`` holds (step_time, data_wait) per step, the last rank
     ``slow_rank_extra`` seconds slower."""
     metrics = directory / "metrics"
     metrics.mkdir(parents=True)
     for rank in range(nproc):
         extra = slow_rank_extra if rank == nproc - 1 else 0.0
-        lines = [json.dumps(_record(rank, i + 1, t + extra, w, samples, peak=1000 * (rank + 1))) for i, (t, w) in enumerate(steps)]
+        lines = [
+            json.dumps(_record(rank, i + 1, t + extra, w, samples, peak=1000 * (rank + 1)))
+            for i, (t, w) in enumerate(steps)
+        ]
         (metrics / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
     return metrics
 
 
 def _figures(nproc, step_time, data_wait, batch):
-    return RunFigures(nproc=nproc, global_batch=batch, steps=10, samples_per_s=batch / step_time, step_time=step_time, data_wait=data_wait, peak_mem_bytes=None)
+    return RunFigures(
+        nproc=nproc,
+        global_batch=batch,
+        steps=10,
+        samples_per_s=batch / step_time,
+        step_time=step_time,
+        data_wait=data_wait,
+        peak_mem_bytes=None,
+    )
 
 
 # ---------------------------------------------------------------- figures from metrics
@@ -82,7 +105,9 @@ def test_steps_past_the_limit_are_left_out(tmp_path):
 def test_a_run_without_a_batch_size_is_an_error(tmp_path):
     metrics = tmp_path / "metrics"
     metrics.mkdir()
-    (metrics / "rank0.jsonl").write_text("".join(json.dumps({**_record(0, i, 0.1, 0.0, 64), "samples": None}) + "\n" for i in (1, 2, 3)))
+    (metrics / "rank0.jsonl").write_text(
+        "".join(json.dumps({**_record(0, i, 0.1, 0.0, 64), "samples": None}) + "\n" for i in (1, 2, 3))
+    )
     with pytest.raises(PhalanxError, match="batch.global_batch_size"):
         run_figures(1, read_metrics(metrics), warmup=1, name="run")
 
@@ -162,7 +187,15 @@ def test_reading_with_one_run():
 
 def test_json_and_chart_from_synthetic_figures(tmp_path):
     rows = scaling([_figures(1, 0.100, 0.010, 64), _figures(2, 0.125, 0.015, 128), _figures(4, 0.150, 0.020, 256)])
-    document = bench_json(rows, command="phalanx bench --demo", device="cpu", settings={"steps": 30}, runs={1: "r1", 2: "r2"}, reading="text", machine={"cpu": "x"})
+    document = bench_json(
+        rows,
+        command="phalanx bench --demo",
+        device="cpu",
+        settings={"steps": 30},
+        runs={1: "r1", 2: "r2"},
+        reading="text",
+        machine={"cpu": "x"},
+    )
     document = json.loads(json.dumps(document))  # what bench.json holds
     assert [r["nproc"] for r in document["runs"]] == [1, 2, 4]
     four = document["runs"][2]
@@ -178,8 +211,18 @@ def test_json_and_chart_from_synthetic_figures(tmp_path):
 
 
 def test_command_repeats_the_bench():
-    options = BenchOptions(script="train.py", script_args=("--lr", "3e-4"), nproc_list="1,2", steps=10, warmup=2, overrides=("precision.mode=bf16",))
-    assert options.command() == "phalanx bench --nproc-list 1,2 --steps 10 --warmup 2 --set precision.mode=bf16 train.py --lr 3e-4"
+    options = BenchOptions(
+        script="train.py",
+        script_args=("--lr", "3e-4"),
+        nproc_list="1,2",
+        steps=10,
+        warmup=2,
+        overrides=("precision.mode=bf16",),
+    )
+    assert (
+        options.command()
+        == "phalanx bench --nproc-list 1,2 --steps 10 --warmup 2 --set precision.mode=bf16 train.py --lr 3e-4"
+    )
 
 
 # ---------------------------------------------------------------- the command
@@ -209,7 +252,9 @@ def test_without_matplotlib_the_command_says_how_to_get_the_chart(tmp_path, monk
     from phalanx.cli import bench_cmd
 
     rows = scaling([_figures(1, 0.1, 0.0, 64), _figures(2, 0.2, 0.0, 128)])
-    monkeypatch.setattr(bench_cmd, "run_bench", lambda options, say: BenchResult(tmp_path, rows, "cpu", "the reading", None))
+    monkeypatch.setattr(
+        bench_cmd, "run_bench", lambda options, say: BenchResult(tmp_path, rows, "cpu", "the reading", None)
+    )
     assert main(["bench", "--demo"]) == 0
     out = capsys.readouterr().out
     assert "the reading" in out and f"wrote bench.json in {tmp_path}" in out

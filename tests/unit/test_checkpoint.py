@@ -14,10 +14,9 @@ from torch import nn
 
 from phalanx.checkpoint import files
 from phalanx.checkpoint.export import export, open_checkpoint
+from phalanx.checkpoint.manager import shape_mismatch
 from phalanx.checkpoint.safe import SafeReader
 from phalanx.errors import PhalanxError
-from phalanx.checkpoint.manager import shape_mismatch
-
 from tests.helpers.checkpoints import checkpointed_session, saved_checkpoint, train_through
 
 
@@ -83,7 +82,10 @@ def test_corrupt_file_is_a_clear_error(tmp_path):
 
 def test_wrong_model_names_the_mismatch(tmp_path):
     path = saved_checkpoint(tmp_path)
-    with pytest.raises(PhalanxError, match=r"does not fit the model: 3 shape\(s\) differ \(0.weight \[16, 4\] in the checkpoint, \[32, 4\] here"):
+    with pytest.raises(
+        PhalanxError,
+        match=r"does not fit the model: 3 shape\(s\) differ \(0.weight \[16, 4\] in the checkpoint, \[32, 4\] here",
+    ):
         _load_into_fresh(tmp_path, path, hidden=32)
 
 

@@ -22,7 +22,9 @@ def test_bf16_compression_needs_nccl():
 
 def test_hook_with_a_strategy_that_has_no_ddp_all_reduce_is_refused():
     # A rule of the strategies (strategies/checks.py), which the launcher and every Session apply.
-    with pytest.raises(ConfigError, match="comm_hook=fp16 compresses DDP's gradient all-reduce, which strategy fsdp does not use"):
+    with pytest.raises(
+        ConfigError, match="comm_hook=fp16 compresses DDP's gradient all-reduce, which strategy fsdp does not use"
+    ):
         check_combination(Config(strategy={"name": "fsdp", "ddp": {"comm_hook": "fp16"}}))
     config = Config(strategy={"name": "zero1", "ddp": {"comm_hook": "powersgd"}})
     check_combination(config)

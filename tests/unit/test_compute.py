@@ -12,9 +12,9 @@ import torch
 
 from phalanx import Config, ConfigError, Session
 from phalanx.checkpoint.export import export
-from phalanx.runtime.compute import Compute
 from phalanx.config.loader import load_config
 from phalanx.config.schema import ComputeConfig
+from phalanx.runtime.compute import Compute
 from phalanx.strategies import check_combination
 from phalanx.topology import LaunchContext
 from tests.helpers.compute import COMPILE_TOLERANCE, KERNEL_TOLERANCE, LAYOUT_TOLERANCE, needs_inductor
@@ -50,7 +50,10 @@ def test_channels_last_in_one_process():
 
 
 def test_channels_last_on_a_model_without_convolutions_is_refused():
-    with pytest.raises(ConfigError, match=r"^compute.channels_last: Sequential has no 4-D \(convolution\) weights, so the channels-last memory format changes nothing; set compute.channels_last: false$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^compute.channels_last: Sequential has no 4-D \(convolution\) weights, so the channels-last memory format changes nothing; set compute.channels_last: false$",
+    ):
         train("single", 16, None, 1, model="mlp", compute={"channels_last": True})
 
 
@@ -61,7 +64,9 @@ def test_kernels_match_the_for_loop(optimizer, impl):
     out = train("single", 16, None, 5, model="mlp", optimizer=optimizer, compute={"optimizer_impl": impl})
     assert out["optimizer"] == {"foreach": impl == "foreach", "fused": impl == "fused"}
     assert all(g == out["optimizer"] for g in out["group_flags"])
-    assert out["lr"] == pytest.approx(0.25 * (1e-2 if optimizer == "adam" else 0.05))  # the user's scheduler still steers it
+    assert out["lr"] == pytest.approx(
+        0.25 * (1e-2 if optimizer == "adam" else 0.05)
+    )  # the user's scheduler still steers it
     loop = reference(16, 5, model="mlp", optimizer=optimizer, foreach=False)
     assert rel_diff(out["state"], loop) < KERNEL_TOLERANCE
 
@@ -80,17 +85,24 @@ def test_auto_picks_fused_then_foreach_and_keeps_an_explicit_choice(monkeypatch)
 
 
 def test_fused_on_an_optimizer_without_fused_kernels_is_refused():
-    with pytest.raises(ConfigError, match=r"^compute.optimizer_impl=fused: RMSprop has no fused implementation \(in torch: Adam, AdamW, SGD, Adagrad\); use auto"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^compute.optimizer_impl=fused: RMSprop has no fused implementation \(in torch: Adam, AdamW, SGD, Adagrad\); use auto",
+    ):
         train("single", 16, None, 1, model="mlp", optimizer="rmsprop", compute={"optimizer_impl": "fused"})
 
 
 def test_resume_keeps_this_runs_implementation(tmp_path):
     fused = {"optimizer_impl": "fused"}
     saved = train("single", 16, None, 2, model="mlp", optimizer="adam", save_to=str(tmp_path / "ckpt"), compute=fused)
-    session = Session(Config(), compute={"optimizer_impl": "loop"}, train={"progress": False}, checkpoint={"resume": "never"})
+    session = Session(
+        Config(), compute={"optimizer_impl": "loop"}, train={"progress": False}, checkpoint={"resume": "never"}
+    )
     model = mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, optimizer, _ = session.setup(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
+    model, optimizer, _ = session.setup(
+        model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    )
     session.load(saved["saved"])
     assert [(g["foreach"], g["fused"]) for g in optimizer.param_groups] == [(False, False)]
     assert len(optimizer.state) == 4  # the saved Adam state did load
@@ -101,13 +113,24 @@ def test_resume_keeps_this_runs_implementation(tmp_path):
 @pytest.mark.parametrize(
     "sections, message",
     [
-        ({"strategy": "pipeline", "compute": {"compile": True}}, "compute.compile is not supported with strategy pipeline"),
+        (
+            {"strategy": "pipeline", "compute": {"compile": True}},
+            "compute.compile is not supported with strategy pipeline",
+        ),
         ({"strategy": "dp", "compute": {"compile": True}}, "compute.compile is not supported with strategy dp"),
-        ({"compute": {"compile_mode": "max-autotune"}}, "compute.compile_mode=max-autotune has no effect while compute.compile is false"),
-        ({"strategy": "fsdp", "compute": {"channels_last": True}}, "compute.channels_last is not supported with strategy fsdp"),
+        (
+            {"compute": {"compile_mode": "max-autotune"}},
+            "compute.compile_mode=max-autotune has no effect while compute.compile is false",
+        ),
+        (
+            {"strategy": "fsdp", "compute": {"channels_last": True}},
+            "compute.channels_last is not supported with strategy fsdp",
+        ),
     ],
 )
 def test_refused_combinations(sections, message):
     # compile_mode is the config's own rule; the others are the strategies' (launcher and Session).
     with pytest.raises(ConfigError, match=message):
-        check_combination(load_config(sections=sections, context=LaunchContext(), cwd=Path("/nonexistent")))  # no phalanx.yaml
+        check_combination(
+            load_config(sections=sections, context=LaunchContext(), cwd=Path("/nonexistent"))
+        )  # no phalanx.yaml

@@ -27,7 +27,9 @@ def test_defaults_without_file(tmp_path):
 def test_yaml_file_then_code_then_set(tmp_path):
     path = tmp_path / "phalanx.yaml"
     path.write_text("precision:\n  mode: bf16\nbatch:\n  global_batch_size: 64\n  micro_batch_size: 8\n")
-    config = load(path, sections={"batch": {"micro_batch_size": 16}, "strategy": "ddp"}, overrides=["batch.global_batch_size=128"])
+    config = load(
+        path, sections={"batch": {"micro_batch_size": 16}, "strategy": "ddp"}, overrides=["batch.global_batch_size=128"]
+    )
     assert config.precision.mode == "bf16"
     assert config.batch.micro_batch_size == 16
     assert config.batch.global_batch_size == 128
@@ -64,7 +66,14 @@ def test_launcher_context_beats_code_path_and_set_wins(tmp_path):
 
 
 def test_set_values_are_yaml_scalars():
-    config = load(overrides=["data.pin_memory=false", "optim.max_grad_norm=1.5", "launch.ranks=all", "batch.micro_batch_size=null"])
+    config = load(
+        overrides=[
+            "data.pin_memory=false",
+            "optim.max_grad_norm=1.5",
+            "launch.ranks=all",
+            "batch.micro_batch_size=null",
+        ]
+    )
     assert config.data.pin_memory is False
     assert config.optim.max_grad_norm == 1.5
     assert config.launch.ranks == "all"
@@ -80,8 +89,14 @@ def test_override_config_keeps_sources(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["precision.mode=fp8"], "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16' or 'fp16'"),
-        (["precision.colour=red"], "unknown setting 'precision.colour' (from --set); known settings in 'precision': mode, tf32, cudnn_benchmark"),
+        (
+            ["precision.mode=fp8"],
+            "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16' or 'fp16'",
+        ),
+        (
+            ["precision.colour=red"],
+            "unknown setting 'precision.colour' (from --set); known settings in 'precision': mode, tf32, cudnn_benchmark",
+        ),
         (["batch.global_batch_size=-4"], "'batch.global_batch_size'"),
         (["train.epochs=many"], "'train.epochs'"),
         (["nodots=1"], "--set expects section.key=value"),
@@ -96,7 +111,9 @@ def test_invalid_values_name_the_field(overrides, message):
 
 
 def test_unknown_section_lists_sections():
-    with pytest.raises(ConfigError, match="unknown setting 'bogus'.*known settings at the top level: preset, strategy, batch"):
+    with pytest.raises(
+        ConfigError, match="unknown setting 'bogus'.*known settings at the top level: preset, strategy, batch"
+    ):
         load(sections={"bogus": {"a": 1}})
 
 

@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import phalanx
 from phalanx.config.loader import load_config
 from phalanx.config.schema import DataConfig
-from phalanx.runtime.data import MAX_AUTO_WORKERS, auto_workers, shard_loader
 from phalanx.errors import ConfigError
 from phalanx.metrics.report import DATA_WAIT_HINT, data_wait_hint, report_run
+from phalanx.runtime.data import MAX_AUTO_WORKERS, auto_workers, shard_loader
 from phalanx.runtime.progress import Throughput, _status, track
 from phalanx.runtime.transfer import PlainTransfer, staged
 from tests.helpers.loaders import CPU, numbered, sharded
@@ -53,11 +53,16 @@ def test_worker_options_are_validated_with_the_fix():
     assert load_config(overrides=["data.num_workers=auto"]).data.num_workers == "auto"
     with pytest.raises(ConfigError, match=r"'data.num_workers'.*whole number >= 0, auto, or null"):
         load_config(overrides=["data.num_workers=-1"])
-    with pytest.raises(ConfigError, match=r"'data.prefetch_factor'.*num_workers is 0; raise data.num_workers or set data.prefetch_factor to null"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'data.prefetch_factor'.*num_workers is 0; raise data.num_workers or set data.prefetch_factor to null",
+    ):
         load_config(overrides=["data.num_workers=0", "data.prefetch_factor=4"])
     with pytest.raises(ConfigError, match=r"'data.persistent_workers'.*num_workers is 0"):
         load_config(overrides=["data.num_workers=0", "data.persistent_workers=true"])
-    assert load_config(overrides=["data.num_workers=0", "data.persistent_workers=false"]).data.persistent_workers is False
+    assert (
+        load_config(overrides=["data.num_workers=0", "data.persistent_workers=false"]).data.persistent_workers is False
+    )
 
 
 def test_loader_settings_reach_the_rebuilt_dataloader(monkeypatch):
@@ -67,15 +72,30 @@ def test_loader_settings_reach_the_rebuilt_dataloader(monkeypatch):
     assert sharded(prefetch_factor=6).loader.prefetch_factor is None  # no workers: nothing to apply it to
 
     with_workers = sharded(workers=2)
-    assert with_workers.loader.persistent_workers and with_workers.loader.prefetch_factor == 2  # phalanx's and torch's defaults
+    assert (
+        with_workers.loader.persistent_workers and with_workers.loader.prefetch_factor == 2
+    )  # phalanx's and torch's defaults
     chosen = sharded(workers=2, num_workers=1, persistent_workers=False, prefetch_factor=5, pin_memory=True)
-    assert chosen.loader.num_workers == 1 and not chosen.loader.persistent_workers and chosen.loader.prefetch_factor == 5
+    assert (
+        chosen.loader.num_workers == 1 and not chosen.loader.persistent_workers and chosen.loader.prefetch_factor == 5
+    )
     assert chosen.loader.pin_memory and chosen.non_blocking
     assert sharded(workers=2, num_workers=0).loader.num_workers == 0
 
     monkeypatch.setattr("phalanx.runtime.data.cpu_count", lambda: 10)
     loader = DataLoader(numbered(), batch_size=4, shuffle=True)
-    auto = shard_loader(loader, train=True, rank=0, world_size=1, batch_size=4, multiple_of=4, seed=0, device=CPU, options=DataConfig(num_workers="auto"), procs_per_node=3)
+    auto = shard_loader(
+        loader,
+        train=True,
+        rank=0,
+        world_size=1,
+        batch_size=4,
+        multiple_of=4,
+        seed=0,
+        device=CPU,
+        options=DataConfig(num_workers="auto"),
+        procs_per_node=3,
+    )
     assert auto.loader.num_workers == 2 and auto.loader.persistent_workers
 
 
@@ -95,7 +115,17 @@ def test_iterable_datasets_are_used_as_built():
             return iter(range(6))
 
     loader = DataLoader(Stream(), batch_size=2)
-    wrapped = shard_loader(loader, train=True, rank=0, world_size=1, batch_size=2, multiple_of=2, seed=0, device=CPU, options=DataConfig(num_workers=4))
+    wrapped = shard_loader(
+        loader,
+        train=True,
+        rank=0,
+        world_size=1,
+        batch_size=2,
+        multiple_of=2,
+        seed=0,
+        device=CPU,
+        options=DataConfig(num_workers=4),
+    )
     assert wrapped.loader is loader and not wrapped.non_blocking
     assert [b.tolist() for b in wrapped] == [[0, 1], [2, 3], [4, 5]]
 
@@ -201,7 +231,16 @@ def test_worker_loader_with_fetch_ahead_matches_the_in_process_loader_over_epoch
         assert fast.position == plain.position == 40
 
 
-def run(tmp_path, name: str, *, stop_at: int | None = None, workers: int = 0, persistent: bool | None = None, fetch_ahead: bool = False, **checkpoint) -> dict:
+def run(
+    tmp_path,
+    name: str,
+    *,
+    stop_at: int | None = None,
+    workers: int = 0,
+    persistent: bool | None = None,
+    fetch_ahead: bool = False,
+    **checkpoint,
+) -> dict:
     torch.manual_seed(0)
     session = phalanx.Session(
         batch={"global_batch_size": 8},
@@ -266,7 +305,9 @@ def test_data_share_leaves_the_first_batch_out():
 
 def test_track_times_each_batch_it_waits_for():
     meter = Throughput()
-    out = list(track(iter(range(5)), total=5, samples_per_batch=2, description="x", show=False, loss=lambda: None, meter=meter))
+    out = list(
+        track(iter(range(5)), total=5, samples_per_batch=2, description="x", show=False, loss=lambda: None, meter=meter)
+    )
     assert out == list(range(5)) and meter.samples == 10 and meter.batches == 5
     assert meter.data_share is not None and 0 <= meter.data_share <= 1
 

@@ -17,7 +17,9 @@ def _layers() -> nn.Module:
 
 
 def _train(**ddp) -> tuple[list[int], dict[str, torch.Tensor], str]:
-    session = Session(Config(), strategy={"name": "ddp", "ddp": ddp}, train={"progress": False}, checkpoint={"resume": "never"})
+    session = Session(
+        Config(), strategy={"name": "ddp", "ddp": ddp}, train={"progress": False}, checkpoint={"resume": "never"}
+    )
     model = _layers()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = session.setup(model, optimizer)
@@ -47,5 +49,7 @@ def test_small_first_bucket_then_bucket_cap():
 
 
 def test_first_bucket_larger_than_the_others_is_refused():
-    with pytest.raises(ValueError, match=r"strategy.ddp.first_bucket_cap_mb \(30\) is larger than bucket_cap_mb \(25\)"):
+    with pytest.raises(
+        ValueError, match=r"strategy.ddp.first_bucket_cap_mb \(30\) is larger than bucket_cap_mb \(25\)"
+    ):
         Config(strategy={"ddp": {"first_bucket_cap_mb": 30}})

@@ -10,24 +10,38 @@ import pytest
 from phalanx.cli.main import main
 from phalanx.diagnose import allreduce
 from phalanx.diagnose.checks import (
-    OK, PROBLEM, SKIPPED, WARNING, cuda_driver, environment, gpu_processes, gpu_topology, gpu_visibility,
-    open_files, peer_to_peer, run_checks, shared_memory,
+    OK,
+    PROBLEM,
+    SKIPPED,
+    WARNING,
+    cuda_driver,
+    environment,
+    gpu_processes,
+    gpu_topology,
+    gpu_visibility,
+    open_files,
+    peer_to_peer,
+    run_checks,
+    shared_memory,
 )
 from phalanx.diagnose.doctor import DoctorOptions, DoctorReport, LivePlan, LiveResult, judge, run_doctor
 from phalanx.diagnose.facts import UNLIMITED, Facts
 from phalanx.diagnose.links import expectation
 from phalanx.diagnose.nvidia import DriverView, Gpu, GpuProcess, ToolError, driver_view, parse_topology
 from phalanx.diagnose.report import doctor_json, env_report, env_text
-from phalanx.util.units import GIB, MIB
 from phalanx.errors import PhalanxError
+from phalanx.util.units import GIB, MIB
 from tests.helpers.diagnose import ALL_CHECKS, GPU_CHECKS
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sizes", "4X"], "'4X' is not a size"),
-    (["--nproc", "1", "--cpu"], "--nproc must be at least 2"),
-    (["--iters", "0"], "--iters must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sizes", "4X"], "'4X' is not a size"),
+        (["--nproc", "1", "--cpu"], "--nproc must be at least 2"),
+        (["--iters", "0"], "--iters must be at least 1"),
+    ],
+)
 def test_doctor_bad_flags(capsys, args, message):
     assert main(["doctor", *args]) == 2  # the CLI's own entry point, in this process: nothing starts
     err = capsys.readouterr().err
@@ -46,8 +60,14 @@ def test_parse_sizes():
 # ---------------------------------------------------------------- checks on hand-made facts
 
 CPU_FACTS = Facts(
-    torch="2.13.0+cpu", shm_bytes=8 * GIB, shm_free_bytes=8 * GIB, nofile_soft=65536, nofile_hard=65536,
-    interfaces=("lo", "eth0"), pid=100, driver=DriverView(notes={"nvidia-smi": "nvidia-smi not found on PATH"}),
+    torch="2.13.0+cpu",
+    shm_bytes=8 * GIB,
+    shm_free_bytes=8 * GIB,
+    nofile_soft=65536,
+    nofile_hard=65536,
+    interfaces=("lo", "eth0"),
+    pid=100,
+    driver=DriverView(notes={"nvidia-smi": "nvidia-smi not found on PATH"}),
 )
 
 
@@ -57,11 +77,22 @@ def gpu_facts(n: int = 4, link: str = "NV18", env: dict | None = None, **driver_
     driver_gpus = tuple(Gpu(i, name, 80 * GIB, 5 * MIB, f"GPU-{i:04d}", 5, 16) for i in range(n))
     torch_gpus = tuple(Gpu(i, name, 80 * GIB, uuid=f"GPU-{i:04d}", compute_capability="9.0") for i in range(n))
     driver = DriverView(
-        installed=True, answered=True, gpus=driver_gpus, driver="550.54.15", driver_cuda="12.4",
-        links=tuple((i, j, link) for i in range(n) for j in range(i + 1, n)), processes=(), process_source="nvidia-smi",
+        installed=True,
+        answered=True,
+        gpus=driver_gpus,
+        driver="550.54.15",
+        driver_cuda="12.4",
+        links=tuple((i, j, link) for i in range(n) for j in range(i + 1, n)),
+        processes=(),
+        process_source="nvidia-smi",
     )
     return replace(
-        CPU_FACTS, torch="2.5.1+cu124", torch_cuda="12.4", nccl="2.21.5", cuda_gpus=torch_gpus, env=env or {},
+        CPU_FACTS,
+        torch="2.5.1+cu124",
+        torch_cuda="12.4",
+        nccl="2.21.5",
+        cuda_gpus=torch_gpus,
+        env=env or {},
         peer_access=tuple((i, j, True) for i in range(n) for j in range(i + 1, n)) if n > 1 else None,
         driver=replace(driver, **driver_changes),
     )
@@ -91,15 +122,21 @@ def test_stray_nccl_p2p_disable_is_a_warning_with_a_fix():
     assert environment(replace(CPU_FACTS, env={"NCCL_P2P_DISABLE": "0"}))[0].status == OK
 
 
-@pytest.mark.parametrize("env, flagged", [
-    ({"NCCL_DEBUG": "INFO"}, ["NCCL_DEBUG"]),
-    ({"NCCL_DEBUG": "WARN"}, []),
-    ({"NCCL_IB_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, ["NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"]),
-    ({"NCCL_P2P_LEVEL": "LOC"}, ["NCCL_P2P_LEVEL"]),
-    ({"NCCL_P2P_LEVEL": "NVL"}, []),
-    ({"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUDA_LAUNCH_BLOCKING": "1"}, ["TORCH_DISTRIBUTED_DEBUG", "CUDA_LAUNCH_BLOCKING"]),
-    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]),
-])
+@pytest.mark.parametrize(
+    "env, flagged",
+    [
+        ({"NCCL_DEBUG": "INFO"}, ["NCCL_DEBUG"]),
+        ({"NCCL_DEBUG": "WARN"}, []),
+        ({"NCCL_IB_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, ["NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"]),
+        ({"NCCL_P2P_LEVEL": "LOC"}, ["NCCL_P2P_LEVEL"]),
+        ({"NCCL_P2P_LEVEL": "NVL"}, []),
+        (
+            {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUDA_LAUNCH_BLOCKING": "1"},
+            ["TORCH_DISTRIBUTED_DEBUG", "CUDA_LAUNCH_BLOCKING"],
+        ),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]),
+    ],
+)
 def test_environment_variable_warnings(env, flagged):
     verdicts = environment(replace(CPU_FACTS, env=env))
     if not flagged:
@@ -109,15 +146,18 @@ def test_environment_variable_warnings(env, flagged):
     assert all(v.status == WARNING and v.fix for v in verdicts)
 
 
-@pytest.mark.parametrize("variable, value, problem", [
-    ("GLOO_SOCKET_IFNAME", "eth9", True),
-    ("GLOO_SOCKET_IFNAME", "eth0", False),
-    ("GLOO_SOCKET_IFNAME", "lo,eth1", True),  # gloo needs every named interface
-    ("NCCL_SOCKET_IFNAME", "eth", False),  # a prefix: matches eth0
-    ("NCCL_SOCKET_IFNAME", "ib", True),
-    ("NCCL_SOCKET_IFNAME", "=eth", True),  # = asks for the exact name
-    ("NCCL_SOCKET_IFNAME", "^docker", False),  # ^ only excludes
-])
+@pytest.mark.parametrize(
+    "variable, value, problem",
+    [
+        ("GLOO_SOCKET_IFNAME", "eth9", True),
+        ("GLOO_SOCKET_IFNAME", "eth0", False),
+        ("GLOO_SOCKET_IFNAME", "lo,eth1", True),  # gloo needs every named interface
+        ("NCCL_SOCKET_IFNAME", "eth", False),  # a prefix: matches eth0
+        ("NCCL_SOCKET_IFNAME", "ib", True),
+        ("NCCL_SOCKET_IFNAME", "=eth", True),  # = asks for the exact name
+        ("NCCL_SOCKET_IFNAME", "^docker", False),  # ^ only excludes
+    ],
+)
 def test_socket_interface_names(variable, value, problem):
     verdicts = environment(replace(CPU_FACTS, env={variable: value}))
     if problem:
@@ -146,14 +186,21 @@ def test_open_file_limit():
     assert open_files(replace(CPU_FACTS, nofile_soft=None)).status == SKIPPED
 
 
-@pytest.mark.parametrize("built, supported, status", [
-    ("12.4", "11.8", PROBLEM),  # a newer major: CUDA cannot start
-    ("12.4", "12.2", WARNING),  # minor-version compatibility, but run-time compilation can fail
-    ("12.1", "12.4", OK),
-    ("11.8", "12.4", OK),
-])
+@pytest.mark.parametrize(
+    "built, supported, status",
+    [
+        ("12.4", "11.8", PROBLEM),  # a newer major: CUDA cannot start
+        ("12.4", "12.2", WARNING),  # minor-version compatibility, but run-time compilation can fail
+        ("12.1", "12.4", OK),
+        ("11.8", "12.4", OK),
+    ],
+)
 def test_cuda_build_against_driver(built, supported, status):
-    verdict = cuda_driver(gpu_facts(driver_cuda=supported) if built == "12.4" else replace(gpu_facts(driver_cuda=supported), torch_cuda=built))
+    verdict = cuda_driver(
+        gpu_facts(driver_cuda=supported)
+        if built == "12.4"
+        else replace(gpu_facts(driver_cuda=supported), torch_cuda=built)
+    )
     assert verdict.status == status
     if status != OK:
         assert "upgrade the NVIDIA driver" in verdict.fix
@@ -171,13 +218,21 @@ def test_gpu_visibility():
     assert verdict.status == PROBLEM and "CPU build" in verdict.detail and "CUDA 12.4" in verdict.fix
     hidden = gpu_visibility(replace(gpu_facts(), cuda_gpus=(), env={"CUDA_VISIBLE_DEVICES": ""}))
     assert hidden.status == PROBLEM and "hides every GPU" in hidden.detail
-    typo = gpu_visibility(replace(gpu_facts(), cuda_gpus=gpu_facts().cuda_gpus[:2], env={"CUDA_VISIBLE_DEVICES": "0,1,7"}))
+    typo = gpu_visibility(
+        replace(gpu_facts(), cuda_gpus=gpu_facts().cuda_gpus[:2], env={"CUDA_VISIBLE_DEVICES": "0,1,7"})
+    )
     assert typo.status == PROBLEM and "names 3 GPU(s) but torch sees 2" in typo.detail
     subset = replace(gpu_facts(), cuda_gpus=gpu_facts().cuda_gpus[2:], env={"CUDA_VISIBLE_DEVICES": "2,3"})
     assert gpu_visibility(subset).status == OK
-    broken = replace(gpu_facts(), cuda_gpus=(), cuda_error="CUDA driver version is insufficient for CUDA runtime version")
+    broken = replace(
+        gpu_facts(), cuda_gpus=(), cuda_error="CUDA driver version is insufficient for CUDA runtime version"
+    )
     assert gpu_visibility(broken).status == PROBLEM and "insufficient" in gpu_visibility(broken).detail
-    failing = replace(gpu_facts(), cuda_gpus=(), driver=DriverView(installed=True, notes={"nvidia-smi": "`nvidia-smi ...` failed (exit 9)"}))
+    failing = replace(
+        gpu_facts(),
+        cuda_gpus=(),
+        driver=DriverView(installed=True, notes={"nvidia-smi": "`nvidia-smi ...` failed (exit 9)"}),
+    )
     assert gpu_visibility(failing).status == PROBLEM and "exit 9" in gpu_visibility(failing).detail
     assert gpu_visibility(replace(failing, torch_cuda=None)).status == WARNING  # a CPU build may not want GPUs
 
@@ -207,7 +262,12 @@ def test_topology_verdicts():
     sockets = gpu_topology(gpu_facts(links=tuple(parse_topology(TOPO))))
     assert sockets.status == WARNING and "cross CPU sockets" in sockets.detail and "--gpus 0,1" in sockets.fix
     # Only GPUs 2 and 3 visible: torch calls them 0 and 1, joined by NVLink.
-    pair = replace(gpu_facts(links=tuple(parse_topology(TOPO))), cuda_gpus=gpu_facts().cuda_gpus[2:], env={"CUDA_VISIBLE_DEVICES": "2,3"}, peer_access=((0, 1, True),))
+    pair = replace(
+        gpu_facts(links=tuple(parse_topology(TOPO))),
+        cuda_gpus=gpu_facts().cuda_gpus[2:],
+        env={"CUDA_VISIBLE_DEVICES": "2,3"},
+        peer_access=((0, 1, True),),
+    )
     assert gpu_topology(pair).status == OK
     assert gpu_topology(gpu_facts(n=1)).status == SKIPPED
     assert gpu_topology(gpu_facts(links=None, notes={"topology": "`nvidia-smi topo -m` failed"})).status == SKIPPED
@@ -222,12 +282,20 @@ def test_peer_to_peer():
 
 
 def test_other_gpu_processes():
-    facts = gpu_facts(processes=(GpuProcess(4242, "python", 10 * GIB, "GPU-0001"), GpuProcess(100, "phalanx", 500 * MIB, "GPU-0000")))
+    facts = gpu_facts(
+        processes=(GpuProcess(4242, "python", 10 * GIB, "GPU-0001"), GpuProcess(100, "phalanx", 500 * MIB, "GPU-0000"))
+    )
     verdict = gpu_processes(facts)
-    assert verdict.status == WARNING and "pid 4242 (python) holds 10 GiB on GPU 1" in verdict.detail and "kill 4242" in verdict.fix
+    assert (
+        verdict.status == WARNING
+        and "pid 4242 (python) holds 10 GiB on GPU 1" in verdict.detail
+        and "kill 4242" in verdict.fix
+    )
     assert "100" not in verdict.fix.split("kill")[1]  # its own process is not a finding
     assert gpu_processes(gpu_facts()).status == OK
-    ghost = gpu_facts(gpus=tuple(replace(g, memory_used_bytes=30 * GIB) if g.index == 3 else g for g in gpu_facts().driver.gpus))
+    ghost = gpu_facts(
+        gpus=tuple(replace(g, memory_used_bytes=30 * GIB) if g.index == 3 else g for g in gpu_facts().driver.gpus)
+    )
     assert gpu_processes(ghost).status == WARNING and "GPU 3 has 30 GiB in use" in gpu_processes(ghost).detail
     unknown = gpu_processes(gpu_facts(processes=None, notes={"gpu processes": "`nvidia-smi ...` failed"}))
     assert unknown.status == SKIPPED and "failed" in unknown.detail
@@ -269,7 +337,9 @@ def test_expectation_and_judgement():
     assert cpu.bytes_per_second is None and "loopback TCP" in cpu.link
 
     plan = LivePlan(True, 8, [4096, 256 * MIB], 20)
-    slow = LiveResult(plan, expected, [allreduce.size_result(4096, 30e-6, 8), allreduce.size_result(256 * MIB, 256 * MIB / 40e9, 8)])
+    slow = LiveResult(
+        plan, expected, [allreduce.size_result(4096, 30e-6, 8), allreduce.size_result(256 * MIB, 256 * MIB / 40e9, 8)]
+    )
     assert judge(slow).status == WARNING and "NCCL_DEBUG=INFO" in judge(slow).fix
     fast = replace(slow, results=[slow.results[0], allreduce.size_result(256 * MIB, 256 * MIB / 400e9, 8)])
     assert judge(fast).status == OK
@@ -282,7 +352,12 @@ def test_doctor_report_exit_code_and_json():
     assert report.exit_code == 1
     data = doctor_json(report)
     assert data["exit_code"] == 1 and data["summary"][PROBLEM] == 1 and data["live"] is None
-    assert data["checks"][-1] == {"check": "live all-reduce", "status": SKIPPED, "detail": "--no-live: not run", "fix": ""}
+    assert data["checks"][-1] == {
+        "check": "live all-reduce",
+        "status": SKIPPED,
+        "detail": "--no-live: not run",
+        "fix": "",
+    }
     assert run_doctor(DoctorOptions(live=False), facts=CPU_FACTS).exit_code == 0
     assert DoctorReport([]).exit_code == 0
 

@@ -28,7 +28,9 @@ def test_percentile_interpolates_like_numpy(q):
     assert percentile([3.0], q) == 3.0
 
 
-def work_times(slow_rank: int | None, ranks: int = 4, steps: int = 30, factor: float = 1.5) -> dict[int, dict[int, float]]:
+def work_times(
+    slow_rank: int | None, ranks: int = 4, steps: int = 30, factor: float = 1.5
+) -> dict[int, dict[int, float]]:
     rng = random.Random(0)
     return {
         r: {s: 0.010 * (factor if r == slow_rank else 1.0) * rng.uniform(0.97, 1.03) for s in range(1, steps + 1)}
@@ -65,8 +67,21 @@ def test_too_few_steps_or_one_rank_names_nobody():
 
 def synthetic(rank: int, steps: int, step_time: float = 0.1, sync_time: float = 0.05, wait: float = 0.01) -> list[dict]:
     return [
-        {"rank": rank, "step": s, "epoch": 0, "time": 1e9 + s, "step_time": step_time, "data_wait": wait, "sync_time": sync_time,
-         "samples": 64, "samples_per_s": 64 / step_time, "loss": 2.0 / s, "lr": 0.1, "grad_norm": None, "peak_mem_bytes": None}
+        {
+            "rank": rank,
+            "step": s,
+            "epoch": 0,
+            "time": 1e9 + s,
+            "step_time": step_time,
+            "data_wait": wait,
+            "sync_time": sync_time,
+            "samples": 64,
+            "samples_per_s": 64 / step_time,
+            "loss": 2.0 / s,
+            "lr": 0.1,
+            "grad_norm": None,
+            "peak_mem_bytes": None,
+        }
         for s in range(1, steps + 1)
     ]
 
@@ -98,7 +113,10 @@ def test_summary_needs_two_steps():
 
 
 def test_read_records_keeps_the_last_record_of_a_step_and_skips_torn_lines(tmp_path):
-    lines = [json.dumps(r) for r in synthetic(0, 3)] + [json.dumps({**synthetic(0, 2)[1], "loss": 9.0}), '{"rank": 0, "st']
+    lines = [json.dumps(r) for r in synthetic(0, 3)] + [
+        json.dumps({**synthetic(0, 2)[1], "loss": 9.0}),
+        '{"rank": 0, "st',
+    ]
     (tmp_path / "rank0.jsonl").write_text("\n".join(lines) + "\n")
     records = read_records(tmp_path)
     assert [r["step"] for r in records[0]] == [1, 2, 3] and records[0][1]["loss"] == 9.0
@@ -178,8 +196,9 @@ def test_mfu_once_flops_and_peak_are_known(capsys):
 
 def test_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard")
-    from phalanx.metrics.board import Board
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from phalanx.metrics.board import Board
 
     board = Board.open(tmp_path)
     board.write(synthetic(0, 3))

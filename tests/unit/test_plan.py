@@ -14,7 +14,10 @@ GB = 1e9
 
 def test_zero_paper_accounting_for_7_5b_parameters_on_64_devices():
     # Rajbhandari et al. 2019, Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device.
-    totals = {s: model_state(s, 7_500_000_000, 64, accounting="zero-paper").total / GB for s in ("ddp", "zero1", "fsdp-zero2", "fsdp-zero3")}
+    totals = {
+        s: model_state(s, 7_500_000_000, 64, accounting="zero-paper").total / GB
+        for s in ("ddp", "zero1", "fsdp-zero2", "fsdp-zero3")
+    }
     assert totals["ddp"] == pytest.approx(120, rel=1e-3)
     assert totals["zero1"] == pytest.approx(31.4, rel=1e-2)
     assert totals["fsdp-zero2"] == pytest.approx(16.6, rel=1e-2)
@@ -23,8 +26,15 @@ def test_zero_paper_accounting_for_7_5b_parameters_on_64_devices():
 
 def test_recommendation_is_the_least_communication_that_fits():
     plan = make_plan(
-        7_500_000_000, 64, optimizer="adam", accounting="zero-paper", micro_batch=1,
-        activations=None, checkpointed=None, checkpoint_classes=[], device_memory=32 * 1024**3,
+        7_500_000_000,
+        64,
+        optimizer="adam",
+        accounting="zero-paper",
+        micro_batch=1,
+        activations=None,
+        checkpointed=None,
+        checkpoint_classes=[],
+        device_memory=32 * 1024**3,
     )
     assert plan.recommendation.label == "fsdp-zero2"
     assert "reshard_after_forward: false" in plan.config_lines
@@ -34,7 +44,9 @@ def test_recommendation_is_the_least_communication_that_fits():
 def test_activations_on_meta_match_a_real_cpu_batch(precision):
     acts = measure_activations(DigitsCNN, {}, (1, 8, 8), torch.float32, precision)
     assert acts.measured_on == "meta"
-    real = _saved_bytes(build(DigitsCNN, {}, "cpu"), _example_input((1, 8, 8), torch.float32, 8, "cpu"), precision, "cpu")
+    real = _saved_bytes(
+        build(DigitsCNN, {}, "cpu"), _example_input((1, 8, 8), torch.float32, 8, "cpu"), precision, "cpu"
+    )
     assert acts.at(8) == pytest.approx(real, rel=0.1)
 
 
@@ -48,8 +60,16 @@ def test_checkpointing_shrinks_activations():
 
 def test_fp16_leaves_fsdp_out_and_zero2_counts_its_gathered_copy():
     plan = make_plan(
-        1000, 4, optimizer="adam", accounting="phalanx", micro_batch=1, activations=None, checkpointed=None,
-        checkpoint_classes=[], device_memory=None, precision="fp16",
+        1000,
+        4,
+        optimizer="adam",
+        accounting="phalanx",
+        micro_batch=1,
+        activations=None,
+        checkpointed=None,
+        checkpoint_classes=[],
+        device_memory=None,
+        precision="fp16",
     )
     assert [r.strategy for r in plan.rows] == ["ddp", "zero1"]  # fsdp refuses fp16, pipeline is fp32-only
     zero2 = model_state("fsdp-zero2", 1000, 4, compute_bytes=2)
@@ -68,8 +88,16 @@ def test_fsdp_rows_do_not_count_autocast_weight_copies():
     acts = measure_activations(TinyGPT, {}, (64,), torch.long, "bf16")
     assert acts.weight_copies == 2 * 867072
     plan = make_plan(
-        867072, 2, optimizer="adam", accounting="phalanx", micro_batch=4, activations=acts, checkpointed=None,
-        checkpoint_classes=[], device_memory=None, precision="bf16",
+        867072,
+        2,
+        optimizer="adam",
+        accounting="phalanx",
+        micro_batch=4,
+        activations=acts,
+        checkpointed=None,
+        checkpoint_classes=[],
+        device_memory=None,
+        precision="bf16",
     )
     by = {r.strategy: r.activations for r in plan.rows}
     assert by["ddp"] - by["fsdp-zero3"] == pytest.approx(2 * 867072)

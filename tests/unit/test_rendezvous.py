@@ -12,7 +12,15 @@ from phalanx.topology import slurm_job
 
 
 def _plan(**kwargs):
-    args = {"nnodes": 1, "node_rank": None, "master": None, "rdzv_endpoint": None, "rdzv_id": None, "slurm": None, **kwargs}
+    args = {
+        "nnodes": 1,
+        "node_rank": None,
+        "master": None,
+        "rdzv_endpoint": None,
+        "rdzv_id": None,
+        "slurm": None,
+        **kwargs,
+    }
     return plan_rendezvous(**args)
 
 
@@ -23,7 +31,13 @@ def test_single_node_uses_a_free_loopback_port():
 
 def test_master_is_static_with_a_shared_job_id():
     rdzv = _plan(nnodes=2, node_rank=1, master="node01:29500")
-    assert (rdzv.backend, rdzv.endpoint, rdzv.configs, rdzv.run_id, rdzv.local_addr) == ("static", "node01:29500", {"rank": 1}, "phalanx", None)
+    assert (rdzv.backend, rdzv.endpoint, rdzv.configs, rdzv.run_id, rdzv.local_addr) == (
+        "static",
+        "node01:29500",
+        {"rank": 1},
+        "phalanx",
+        None,
+    )
     assert _plan(nnodes=2, node_rank=0, master="127.0.0.1:29500").local_addr == "127.0.0.1"
 
 
@@ -49,15 +63,26 @@ def test_bad_multi_node_flags_are_one_clear_line(kwargs, message):
 
 
 def test_slurm_allocation_is_detected():
-    job = slurm_job({"SLURM_JOB_ID": "4242", "SLURM_NNODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09]"})
+    job = slurm_job(
+        {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-09]"}
+    )
     rdzv = _plan(slurm=job)
-    assert (rdzv.backend, rdzv.endpoint, rdzv.nnodes, rdzv.node_rank, rdzv.run_id) == ("static", "gpu07:29500", 3, 2, "4242")
+    assert (rdzv.backend, rdzv.endpoint, rdzv.nnodes, rdzv.node_rank, rdzv.run_id) == (
+        "static",
+        "gpu07:29500",
+        3,
+        2,
+        "4242",
+    )
     assert slurm_job({}) is None
     single = slurm_job({"SLURM_JOB_ID": "1", "SLURM_NNODES": "1"})
     assert _plan(slurm=single).endpoint == "127.0.0.1:0"
 
 
-@pytest.mark.parametrize("nodelist, host", [("gpu[07-09,12],cpu1", "gpu07"), ("node01", "node01"), ("n[001-004]-ib", "n001-ib"), ("a,b", "a")])
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("gpu[07-09,12],cpu1", "gpu07"), ("node01", "node01"), ("n[001-004]-ib", "n001-ib"), ("a,b", "a")],
+)
 def test_first_host_of_a_slurm_node_list(nodelist, host):
     assert first_host(nodelist) == host
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.runtime.data import ShardedSampler
 from phalanx.errors import PhalanxError
+from phalanx.runtime.data import ShardedSampler
 
 
 def global_steps(n, world, micro, accumulation, *, shuffle=True, epoch=0, drop_last=False):

@@ -131,7 +131,10 @@ def test_fp16_with_two_optimizers_and_clipping_updates_both_like_fp32():
         x, y = make_data(16).tensors
         with session.accumulate(a):
             session.backward(F.mse_loss(a(x), y) + F.mse_loss(b(x), y))
-        moved = [sum((p.detach() - q).abs().sum() for p, q in zip(m.parameters(), make_model().parameters())).item() for m in (a, b)]
+        moved = [
+            sum((p.detach() - q).abs().sum() for p, q in zip(m.parameters(), make_model().parameters())).item()
+            for m in (a, b)
+        ]
         session.close()
         return moved
 
@@ -189,7 +192,9 @@ def test_unfinished_window_of_an_iterable_loader_is_dropped_at_epoch_end(capsys)
             x, y = make_data(12).tensors
             return iter(zip(x, y))
 
-    session = Session(Config(), batch={"global_batch_size": 8, "micro_batch_size": 4}, train={"epochs": 2, "progress": False})
+    session = Session(
+        Config(), batch={"global_batch_size": 8, "micro_batch_size": 4}, train={"epochs": 2, "progress": False}
+    )
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(Stream(), batch_size=4)  # 3 micro-batches: one window and a half

@@ -31,7 +31,9 @@ def test_model_parallel_places_blocks_in_order_balanced_by_parameters():
     assert names == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "blocks.4", "blocks.5", "norm", "head"]
     devices = assign(units, 3)
     assert devices == sorted(devices) and set(devices) == {0, 1, 2}  # contiguous, every device used
-    per_device = [sum(p.numel() for (_, u), d in zip(units, devices) if d == k for p in u.parameters()) for k in range(3)]
+    per_device = [
+        sum(p.numel() for (_, u), d in zip(units, devices) if d == k for p in u.parameters()) for k in range(3)
+    ]
     assert max(per_device) < 1.6 * min(per_device)
     assert assign(units, 1) == [0] * len(units)
 
@@ -84,8 +86,8 @@ def test_deferred_output_refuses_reads_and_finds_the_target():
 
 
 def test_pipeline_split_points_must_leave_no_stage_empty():
-    from phalanx.strategies.placement import placement_units
     from phalanx.strategies.pipeline import _split
+    from phalanx.strategies.placement import placement_units
 
     units = placement_units(make_model())
     with pytest.raises(phalanx.ConfigError, match="distinct children after the first"):

@@ -29,7 +29,10 @@ class _Shared(nn.Module):
 
 
 DDP_METHODS = (
-    "_remove_autograd_hooks", "_build_params_for_reducer", "_ddp_init_helper", "_build_debug_param_to_name_mapping",
+    "_remove_autograd_hooks",
+    "_build_params_for_reducer",
+    "_ddp_init_helper",
+    "_build_debug_param_to_name_mapping",
 )
 
 

@@ -87,7 +87,9 @@ def test_a_change_must_measure_faster_than_the_noise():
 
 def test_a_change_is_confirmed_by_a_second_pair_of_trials():
     assert search.confirmed(100.0, 104.0) and not search.confirmed(100.0, 102.0)
-    assert not search.confirmed(None, 200.0) and not search.confirmed(100.0, None)  # a repeat that failed confirms nothing
+    assert not search.confirmed(None, 200.0) and not search.confirmed(
+        100.0, None
+    )  # a repeat that failed confirms nothing
 
 
 def test_workers_stop_once_the_data_wait_is_gone_and_the_fewest_that_lower_it_win():
@@ -95,13 +97,21 @@ def test_workers_stop_once_the_data_wait_is_gone_and_the_fewest_that_lower_it_wi
     assert not search.stop_adding_workers(m(0, 100.0, 0.40))
     assert search.stop_adding_workers(m(2, 150.0, 0.01))
     assert search.stop_adding_workers(m(3, None))  # a failed trial: more workers will not help
-    assert search.choose_workers([m(0, 100.0, 0.40), m(1, 149.0, 0.05), m(2, 150.0, 0.01)]).value == 2  # the wait is gone
+    assert (
+        search.choose_workers([m(0, 100.0, 0.40), m(1, 149.0, 0.05), m(2, 150.0, 0.01)]).value == 2
+    )  # the wait is gone
     assert search.choose_workers([m(0, 100.0, 0.02), m(1, 150.0, 0.01)]).value == 0  # already gone: faster is noise
     assert search.choose_workers([m(0, 100.0, 0.4), m(1, 200.0, 0.2), m(2, None)]).value == 1  # the lowest wait
     assert search.choose_workers([m(0, 416.0, 0.05), m(1, 441.0, 0.06)]).value == 0  # a worker that does not lower it
     assert search.choose_workers([m(0, None), m(1, None)]) is None
     assert search.worker_counts(4) == [0, 1, 2, 3, 4] and search.worker_counts(0) == [0, 1]
-    assert search.bucket_sizes(25.0) == [10.0, 25.0, 50.0, 100.0] and search.bucket_sizes(40) == [10.0, 25.0, 40.0, 50.0, 100.0]
+    assert search.bucket_sizes(25.0) == [10.0, 25.0, 50.0, 100.0] and search.bucket_sizes(40) == [
+        10.0,
+        25.0,
+        40.0,
+        50.0,
+        100.0,
+    ]
 
 
 def test_bucket_sizes_that_hold_every_gradient_in_one_bucket_behave_alike():
@@ -114,10 +124,19 @@ def test_bucket_sizes_that_hold_every_gradient_in_one_bucket_behave_alike():
 def test_a_larger_global_batch_brings_the_learning_rate_rule():
     assert search.lr_settings(64, 64, rule="none", reference=None, warmup_steps=0) == {}
     values = search.lr_settings(64, 256, rule="none", reference=None, warmup_steps=0)
-    assert values == {"batch.global_batch_size": 256, "optim.lr_scaling": "sqrt", "optim.reference_batch_size": 64, "optim.warmup_steps": 100}
+    assert values == {
+        "batch.global_batch_size": 256,
+        "optim.lr_scaling": "sqrt",
+        "optim.reference_batch_size": 64,
+        "optim.warmup_steps": 100,
+    }
     assert search.lr_multiplier(values) == 2.0
     kept = search.lr_settings(64, 256, rule="linear", reference=32, warmup_steps=500)
-    assert kept["optim.lr_scaling"] == "linear" and kept["optim.reference_batch_size"] == 32 and kept["optim.warmup_steps"] == 500
+    assert (
+        kept["optim.lr_scaling"] == "linear"
+        and kept["optim.reference_batch_size"] == 32
+        and kept["optim.warmup_steps"] == 500
+    )
     assert search.lr_multiplier(kept) == 8.0
 
 
@@ -143,7 +162,10 @@ def test_the_session_announces_the_gradient_size_tune_reads():
     from phalanx.session.facts import describe_model_size
 
     frozen = torch.nn.Linear(4, 4).requires_grad_(False)
-    assert describe_model_size([torch.nn.Linear(1024, 1024), frozen]) == "1,049,600 trainable parameters (4.0 MiB of gradients)"
+    assert (
+        describe_model_size([torch.nn.Linear(1024, 1024), frozen])
+        == "1,049,600 trainable parameters (4.0 MiB of gradients)"
+    )
     assert describe_model_size([torch.nn.Linear(8, 16)]) == "144 trainable parameters (576 B of gradients)"
 
 
@@ -178,7 +200,9 @@ def _write_session_facts(run_dir: Path, gradient_bytes: int) -> None:
     )
 
 
-def _fake_run(tmp_path: Path, *, code: int, stopped: bool, logs: dict[int, str], launcher: str = "", metrics: int = 0) -> LaunchRun:
+def _fake_run(
+    tmp_path: Path, *, code: int, stopped: bool, logs: dict[int, str], launcher: str = "", metrics: int = 0
+) -> LaunchRun:
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     _write_session_facts(run_dir, int(3.5 * MIB))
@@ -186,7 +210,10 @@ def _fake_run(tmp_path: Path, *, code: int, stopped: bool, logs: dict[int, str],
         (run_dir / "logs" / f"rank{rank}.log").write_text(text)
     (run_dir / "metrics").mkdir()
     for rank in logs:
-        records = [{"step": s, "step_time": 0.1, "data_wait": 0.02, "samples": 16, "peak_mem_bytes": 5 * MIB} for s in range(1, metrics + 1)]
+        records = [
+            {"step": s, "step_time": 0.1, "data_wait": 0.02, "samples": 16, "peak_mem_bytes": 5 * MIB}
+            for s in range(1, metrics + 1)
+        ]
         (run_dir / "metrics" / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     log = tmp_path / "launch.log"
     log.write_text(launcher)
@@ -203,7 +230,10 @@ def test_out_of_memory_on_one_rank_is_the_outcome_even_when_another_rank_is_blam
         tmp_path,
         code=1,
         stopped=False,
-        logs={0: announce + "RuntimeError: Connection closed by peer\n", 1: "Traceback ...\ntorch.OutOfMemoryError: phalanx memory cap: ...\n"},
+        logs={
+            0: announce + "RuntimeError: Connection closed by peer\n",
+            1: "Traceback ...\ntorch.OutOfMemoryError: phalanx memory cap: ...\n",
+        },
         launcher="phalanx: rank 0 failed first (exit code 1): RuntimeError: Connection closed by peer\n",
     )
     trial = conclude(_trial(), run, nproc=2, warmup=1, steps=5)
@@ -220,19 +250,40 @@ def test_out_of_memory_on_one_rank_is_the_outcome_even_when_another_rank_is_blam
 
 
 def test_cuda_out_of_memory_text_and_other_failures(tmp_path):
-    run = _fake_run(tmp_path / "a", code=1, stopped=False, logs={0: "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"})
+    run = _fake_run(
+        tmp_path / "a",
+        code=1,
+        stopped=False,
+        logs={0: "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"},
+    )
     assert conclude(_trial(), run, nproc=1, warmup=1, steps=5).outcome == OOM
     # The summary alone is enough (a rank's log may have been cut short), and a source line quoting
     # the exception in a traceback is not an out-of-memory error.
-    run = _fake_run(tmp_path / "s", code=1, stopped=False, logs={0: ""}, launcher="phalanx: rank 0 failed first (exit code 1): OutOfMemoryError: phalanx memory cap: ...\n")
+    run = _fake_run(
+        tmp_path / "s",
+        code=1,
+        stopped=False,
+        logs={0: ""},
+        launcher="phalanx: rank 0 failed first (exit code 1): OutOfMemoryError: phalanx memory cap: ...\n",
+    )
     assert conclude(_trial(), run, nproc=1, warmup=1, steps=5).outcome == OOM
     quoted = "Traceback:\n    except torch.OutOfMemoryError:\nValueError: bad\n"
-    run = _fake_run(tmp_path / "b", code=1, stopped=False, logs={0: quoted}, launcher="phalanx: rank 0 failed first (exit code 1): ValueError: bad\n")
+    run = _fake_run(
+        tmp_path / "b",
+        code=1,
+        stopped=False,
+        logs={0: quoted},
+        launcher="phalanx: rank 0 failed first (exit code 1): ValueError: bad\n",
+    )
     trial = conclude(_trial(), run, nproc=1, warmup=1, steps=5)
     assert (trial.outcome, trial.detail) == (FAILED, "rank 0 failed first (exit code 1): ValueError: bad")
     run = _fake_run(tmp_path / "c", code=130, stopped=True, logs={0: "", 1: ""}, metrics=5)
     trial = conclude(_trial(), run, nproc=2, warmup=1, steps=5)
-    assert trial.outcome == OK and trial.samples_per_s == pytest.approx(160.0) and trial.data_wait_share == pytest.approx(0.2)
+    assert (
+        trial.outcome == OK
+        and trial.samples_per_s == pytest.approx(160.0)
+        and trial.data_wait_share == pytest.approx(0.2)
+    )
     assert trial.figures.peak_mem_bytes == 5 * MIB
 
 
@@ -243,13 +294,31 @@ def test_the_config_file_keeps_comments_and_other_keys_and_a_backup(tmp_path):
     path = tmp_path / "phalanx.yaml"
     original = "# my settings\nbatch:\n  micro_batch_size: 3   # what I had\n\ntrain:\n  seed: 7\n# the end\n"
     path.write_text(original)
-    written = write_values(path, {"batch.micro_batch_size": 8, "data.num_workers": 2, "strategy.ddp.bucket_cap_mb": 50.0})
+    written = write_values(
+        path, {"batch.micro_batch_size": 8, "data.num_workers": 2, "strategy.ddp.bucket_cap_mb": 50.0}
+    )
     text = path.read_text()
-    assert "  micro_batch_size: 8   # what I had\n" in text and text.startswith("# my settings\n") and "# the end" in text
-    assert yaml.safe_load(text) == {"batch": {"micro_batch_size": 8}, "train": {"seed": 7}, "data": {"num_workers": 2}, "strategy": {"ddp": {"bucket_cap_mb": 50.0}}}
-    assert written.backup == tmp_path / "phalanx.yaml.bak" and written.backup.read_text() == original and written.comments_kept
+    assert (
+        "  micro_batch_size: 8   # what I had\n" in text and text.startswith("# my settings\n") and "# the end" in text
+    )
+    assert yaml.safe_load(text) == {
+        "batch": {"micro_batch_size": 8},
+        "train": {"seed": 7},
+        "data": {"num_workers": 2},
+        "strategy": {"ddp": {"bucket_cap_mb": 50.0}},
+    }
+    assert (
+        written.backup == tmp_path / "phalanx.yaml.bak"
+        and written.backup.read_text() == original
+        and written.comments_kept
+    )
     config = Config.load(path)
-    assert (config.batch.micro_batch_size, config.data.num_workers, config.strategy.ddp.bucket_cap_mb, config.train.seed) == (8, 2, 50.0, 7)
+    assert (
+        config.batch.micro_batch_size,
+        config.data.num_workers,
+        config.strategy.ddp.bucket_cap_mb,
+        config.train.seed,
+    ) == (8, 2, 50.0, 7)
 
 
 def test_a_flow_style_file_is_rewritten_with_its_values_and_a_missing_file_is_created(tmp_path):
@@ -269,7 +338,12 @@ def test_a_toml_file_is_edited_in_place(tmp_path):
     path.write_text("[batch]\nglobal_batch_size = 64 # tuned for this\n\n[strategy.ddp]\nbucket_cap_mb = 25\n")
     write_values(path, {"batch.micro_batch_size": 8, "strategy.ddp.bucket_cap_mb": 100.0, "optim.lr_scaling": "sqrt"})
     config = Config.load(path)
-    assert (config.batch.global_batch_size, config.batch.micro_batch_size, config.strategy.ddp.bucket_cap_mb, config.optim.lr_scaling) == (64, 8, 100.0, "sqrt")
+    assert (
+        config.batch.global_batch_size,
+        config.batch.micro_batch_size,
+        config.strategy.ddp.bucket_cap_mb,
+        config.optim.lr_scaling,
+    ) == (64, 8, 100.0, "sqrt")
     assert "# tuned for this" in path.read_text()
 
 
@@ -297,5 +371,16 @@ def test_bad_input_is_one_line_and_exit_2_before_any_trial(argv, message, tmp_pa
 
 
 def test_command_repeats_the_tune():
-    options = TuneOptions(script="train.py", script_args=("--lr", "1"), memory_cap="2GiB", steps=8, warmup=2, search=("micro-batch",), dry_run=True)
-    assert options.command() == "phalanx tune --memory-cap 2GiB --steps 8 --warmup 2 --search micro-batch --dry-run train.py --lr 1"
+    options = TuneOptions(
+        script="train.py",
+        script_args=("--lr", "1"),
+        memory_cap="2GiB",
+        steps=8,
+        warmup=2,
+        search=("micro-batch",),
+        dry_run=True,
+    )
+    assert (
+        options.command()
+        == "phalanx tune --memory-cap 2GiB --steps 8 --warmup 2 --search micro-batch --dry-run train.py --lr 1"
+    )

@@ -61,7 +61,9 @@ def steps_recorded(metrics_dir: Path) -> int:
     return min(counts, default=0)
 
 
-def run_figures(nproc: int, by_rank: dict[int, list[dict]], warmup: int, name: str, limit: int | None = None) -> RunFigures:
+def run_figures(
+    nproc: int, by_rank: dict[int, list[dict]], warmup: int, name: str, limit: int | None = None
+) -> RunFigures:
     """Steps ``warmup + 1`` to ``limit``; ``name`` says which run in errors. Steps that not every
     rank recorded are left out, and so are those past ``limit``: a run stopped from outside goes
     on for a moment, and its last steps overlap the shutdown."""
@@ -72,10 +74,14 @@ def run_figures(nproc: int, by_rank: dict[int, list[dict]], warmup: int, name: s
             steps.setdefault(step, []).append(record)
     complete = [steps[s] for s in sorted(steps) if len(steps[s]) == len(by_rank)]
     if not complete:
-        raise PhalanxError(f"{name} recorded no optimizer step in its metrics; bench reads the per-step metrics phalanx.Session writes")
+        raise PhalanxError(
+            f"{name} recorded no optimizer step in its metrics; bench reads the per-step metrics phalanx.Session writes"
+        )
     measured = complete[warmup:limit]
     if not measured:
-        raise PhalanxError(f"{name} recorded {len(complete)} step(s), all of them warm-up ({warmup}); raise --steps or lower --warmup")
+        raise PhalanxError(
+            f"{name} recorded {len(complete)} step(s), all of them warm-up ({warmup}); raise --steps or lower --warmup"
+        )
     if any(step[0].get("samples") is None for step in measured):
         raise PhalanxError(
             f"{name} recorded no samples per step: phalanx knows the global batch only from a training (shuffling) "

@@ -180,7 +180,13 @@ def run_launch(command: list[str], parent: Path, cap: int | None, env: Mapping[s
     log = parent / "launch.log"
     started = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None)
+        proc = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None,
+        )
         stopped = False
         try:
             while proc.poll() is None:
@@ -197,7 +203,9 @@ def run_launch(command: list[str], parent: Path, cap: int | None, env: Mapping[s
     seconds = time.perf_counter() - started
     runs = run_dirs(parent)
     steps = steps_so_far(parent)
-    return LaunchRun(proc.returncode, stopped and cap is not None and steps >= cap, steps, seconds, log, runs[0] if runs else None)
+    return LaunchRun(
+        proc.returncode, stopped and cap is not None and steps >= cap, steps, seconds, log, runs[0] if runs else None
+    )
 
 
 def run_dirs(parent: Path) -> list[Path]:
@@ -212,7 +220,9 @@ def steps_so_far(parent: Path) -> int:
 
 def failure_reason(log: Path) -> str:
     """The launcher's own one-line summary of a failure, when it wrote one ("" otherwise)."""
-    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.startswith("phalanx: ")]
+    lines = [
+        line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.startswith("phalanx: ")
+    ]
     for line in reversed(lines):
         if line.startswith("phalanx: error: "):
             return line.removeprefix("phalanx: error: ")

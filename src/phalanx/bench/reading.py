@@ -12,7 +12,9 @@ NOTABLE_SHARE = 0.10  # a part of the step worth naming
 
 def reading(rows: list[Scaling], *, cpu: bool, cores: int | None = None, threads: int | None = None) -> str:
     if len(rows) < 2:
-        return "Only the 1-device run was measured, so there is no scaling to read; give --nproc-list 1,2,... to compare."
+        return (
+            "Only the 1-device run was measured, so there is no scaling to read; give --nproc-list 1,2,... to compare."
+        )
     base, top = rows[0], rows[-1]
     units = "processes" if cpu else "devices"
     n = top.nproc
@@ -31,7 +33,9 @@ def reading(rows: list[Scaling], *, cpu: bool, cores: int | None = None, threads
     elif top.efficiency >= GOOD_EFFICIENCY:
         parts.append("Scales well: there is little to gain from tuning the launch.")
         if data_share >= NOTABLE_SHARE:
-            parts.append(f"Still, {data_share:.0%} of each step is spent waiting for the loader; data.num_workers may win it back.")
+            parts.append(
+                f"Still, {data_share:.0%} of each step is spent waiting for the loader; data.num_workers may win it back."
+            )
     elif data_share >= NOTABLE_SHARE and data_share >= comm_share:
         parts.append(
             f"Data-bound: at {n} each step waits {ms(top.run.data_wait)} ({data_share:.0%} of it) for the loader. "

@@ -8,11 +8,11 @@ import platform
 import torch
 from rich.table import Table
 
-from phalanx.version import __version__
 from phalanx.bench.figures import Scaling
 from phalanx.diagnose.facts import torch_gpus
-from phalanx.util.units import format_bytes
 from phalanx.topology import cpu_count
+from phalanx.util.units import format_bytes
+from phalanx.version import __version__
 
 SPLIT_METHOD = (
     "data wait is measured (time each rank waited for its loader; a step counts its longest-waiting rank); "
@@ -55,7 +55,9 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def bench_json(rows: list[Scaling], *, command: str, device: str, settings: dict, runs: dict[int, str], reading: str, machine: dict) -> dict:
+def bench_json(
+    rows: list[Scaling], *, command: str, device: str, settings: dict, runs: dict[int, str], reading: str, machine: dict
+) -> dict:
     """``runs``: run directory per device count."""
     return {
         "command": command,
@@ -88,7 +90,18 @@ def bench_json(rows: list[Scaling], *, command: str, device: str, settings: dict
 def bench_table(rows: list[Scaling], *, units: str) -> Table:
     table = Table(title="phalanx bench: medians over the measured steps of each run", title_justify="left")
     memory = any(row.run.peak_mem_bytes for row in rows)  # CPU runs record none
-    for name in (units, "global batch", "samples/s", "speed-up", "efficiency", "step", "compute", "comm wait", "data wait", *(["peak memory"] if memory else [])):
+    for name in (
+        units,
+        "global batch",
+        "samples/s",
+        "speed-up",
+        "efficiency",
+        "step",
+        "compute",
+        "comm wait",
+        "data wait",
+        *(["peak memory"] if memory else []),
+    ):
         table.add_column(name, justify="right")
     for row in rows:
         cells = [

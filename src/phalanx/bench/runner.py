@@ -55,7 +55,9 @@ def parse_nproc_list(text: str | None, most: int) -> list[int]:
     except ValueError:
         raise PhalanxError(f"--nproc-list expects comma-separated process counts such as 1,2,4; got '{text}'") from None
     if not counts or min(counts) < 1:
-        raise PhalanxError(f"--nproc-list expects comma-separated process counts of at least 1, such as 1,2,4; got '{text}'")
+        raise PhalanxError(
+            f"--nproc-list expects comma-separated process counts of at least 1, such as 1,2,4; got '{text}'"
+        )
     return sorted(counts | {1})
 
 
@@ -72,7 +74,9 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     directory.mkdir(parents=True)
     device = base.devices.kind
     unit, units = ("process", "processes") if device == "cpu" else ("device", "devices")
-    say(f"phalanx: bench of {'the demo' if options.demo else script} on {', '.join(map(str, counts))} {units}, {options.steps} steps each ({options.warmup} warm-up), in {directory}")
+    say(
+        f"phalanx: bench of {'the demo' if options.demo else script} on {', '.join(map(str, counts))} {units}, {options.steps} steps each ({options.warmup} warm-up), in {directory}"
+    )
 
     threads = _threads_per_process(device, counts)
     figures: list[RunFigures] = []
@@ -83,7 +87,11 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
         name = f"the {n}-{unit} run"
         run_dir, seconds = _run_one(options, script, script_args, cap, n, overrides, directory / f"n{n}", name, threads)
         run_dirs[n] = str(run_dir)
-        figures.append(run_figures(n, read_metrics(_metrics_dir(run_dir, name)), options.warmup, f"{name} ({run_dir})", options.steps))
+        figures.append(
+            run_figures(
+                n, read_metrics(_metrics_dir(run_dir, name)), options.warmup, f"{name} ({run_dir})", options.steps
+            )
+        )
         say(f"phalanx: {name}: {figures[-1].samples_per_s:,.0f} samples/s, {seconds:.0f}s, run dir {run_dir}")
 
     rows = scaling(figures)
@@ -100,7 +108,15 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
         "threads_per_process": threads,
         "scaling": "weak: every run keeps the 1-device run's micro-batch per device; the global batch grows with the devices",
     }
-    document = bench_json(rows, command=options.command(), device=device, settings=settings, runs=run_dirs, reading=text, machine=machine_facts())
+    document = bench_json(
+        rows,
+        command=options.command(),
+        device=device,
+        settings=settings,
+        runs=run_dirs,
+        reading=text,
+        machine=machine_facts(),
+    )
     (directory / "bench.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     chart = None
     if have_matplotlib():
@@ -142,7 +158,9 @@ def _run_one(
     run = options.launch(script, script_args, nproc=n, parent=parent, extra=overrides, cap=cap, env=env)
     if not run.complete:
         reason = failure_reason(run.log)
-        raise RunFailed(f"{name} failed (exit code {run.returncode}){': ' + reason if reason else ''}; its output is in {run.log}")
+        raise RunFailed(
+            f"{name} failed (exit code {run.returncode}){': ' + reason if reason else ''}; its output is in {run.log}"
+        )
     if run.run_dir is None:
         raise RunFailed(f"{name} made no run directory; its output is in {run.log}")
     return run.run_dir, run.seconds

@@ -42,7 +42,7 @@ def model_state_dict(manifest: dict[str, Any], model: int = 0) -> dict[str, torc
     template: dict[str, torch.Tensor] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith(prefix) and hasattr(meta, "properties"):
-            template[key[len(prefix):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            template[key[len(prefix) :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     state = {f"model{model}": template}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")  # it is

@@ -82,7 +82,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def commit(staging: Path, manifest: dict[str, Any]) -> Path:
     """Write the manifest into ``staging``, flush, rename it to its ``step-`` name, move ``latest``."""
-    final = staging.with_name(staging.name[len(_STAGING_PREFIX):])
+    final = staging.with_name(staging.name[len(_STAGING_PREFIX) :])
     write_json_atomic(staging / MANIFEST, manifest)
     fsync_tree(staging)
     if final.exists():
@@ -114,7 +114,7 @@ def complete(root: Path) -> list[Found]:
     for path in root.iterdir():
         if path.name.startswith(_STEP_PREFIX) and (path / MANIFEST).is_file():
             try:
-                found.append(Found(int(path.name[len(_STEP_PREFIX):]), path))
+                found.append(Found(int(path.name[len(_STEP_PREFIX) :]), path))
             except ValueError:
                 continue
     return sorted(found, key=lambda f: f.step)
@@ -152,20 +152,30 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of checkpoint directory ``path`` (see :func:`resolve` for what users may type);
     a missing or unreadable one is a clear error."""
     if not path.exists():
-        raise PhalanxError(f"checkpoint '{path}' not found; give a checkpoint directory (e.g. checkpoints/step-00000120) or checkpoints/latest")
+        raise PhalanxError(
+            f"checkpoint '{path}' not found; give a checkpoint directory (e.g. checkpoints/step-00000120) or checkpoints/latest"
+        )
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         if path.name.startswith(_STAGING_PREFIX):
-            raise PhalanxError(f"checkpoint '{path}' is incomplete (its save was interrupted); use the previous one: {latest(path.parent) or 'none left'}")
-        raise PhalanxError(f"'{path}' is not a phalanx checkpoint (no {MANIFEST}); give a directory written by session.save()")
+            raise PhalanxError(
+                f"checkpoint '{path}' is incomplete (its save was interrupted); use the previous one: {latest(path.parent) or 'none left'}"
+            )
+        raise PhalanxError(
+            f"'{path}' is not a phalanx checkpoint (no {MANIFEST}); give a directory written by session.save()"
+        )
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise PhalanxError(f"checkpoint manifest '{manifest_path}' is unreadable ({err}); the checkpoint is damaged, use an earlier one") from None
+        raise PhalanxError(
+            f"checkpoint manifest '{manifest_path}' is unreadable ({err}); the checkpoint is damaged, use an earlier one"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise PhalanxError(f"'{manifest_path}' is not a phalanx checkpoint manifest")
     if manifest.get("version", 0) > VERSION:
-        raise PhalanxError(f"checkpoint '{path}' was written by a newer phalanx (format {manifest['version']}); upgrade phalanx to load it")
+        raise PhalanxError(
+            f"checkpoint '{path}' was written by a newer phalanx (format {manifest['version']}); upgrade phalanx to load it"
+        )
     manifest["path"] = str(path.resolve())
     return manifest
 

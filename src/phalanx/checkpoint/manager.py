@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -89,7 +89,11 @@ class Checkpointer:
         sizes = [self._numel(m) for m in objects.models]
         rngs = self._gather_all(mine_rng)
         if topo.is_main:
-            trainer = {**train, "schedulers": [sched.state_dict() for sched in objects.schedulers], "precision": objects.precision.state_dict()}
+            trainer = {
+                **train,
+                "schedulers": [sched.state_dict() for sched in objects.schedulers],
+                "precision": objects.precision.state_dict(),
+            }
             _save(trainer, staging / TRAINER)
             _save({"world_size": topo.world_size, "ranks": rngs}, staging / RNG)
         self._barrier()
@@ -106,7 +110,9 @@ class Checkpointer:
         self._barrier()
         return final
 
-    def load(self, path: Path, objects: TrainingObjects, *, weights_only: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+    def load(
+        self, path: Path, objects: TrainingObjects, *, weights_only: bool = False, say: Callable[[str], None] = print
+    ) -> dict[str, Any]:
         """Restore ``objects`` from checkpoint ``path``. ``weights_only``: the models' weights and
         nothing else (a fine-tuning start). Returns the manifest."""
         # Imported here: torch.distributed.checkpoint takes a second to import, and most runs never load.
@@ -145,13 +151,17 @@ class Checkpointer:
             _restore_schedulers(objects, trainer["schedulers"])
             objects.precision.load_state_dict(trainer["precision"])
             mine = saved["ranks"][self.topology.rank] if saved["world_size"] == world else None
-            objects.state.load_state_dict({"step": trainer["step"], "epoch": trainer["epoch"], "data": trainer["data"], "rng": mine})
+            objects.state.load_state_dict(
+                {"step": trainer["step"], "epoch": trainer["epoch"], "data": trainer["data"], "rng": mine}
+            )
         return manifest
 
     # -- pieces of a checkpoint -------------------------------------------------------------------
     def _dcp_state(self, objects: TrainingObjects) -> dict[str, Any]:
         strategy = self.strategy
-        state: dict[str, Any] = {f"model{i}": strategy.sharded_model_state_dict(m) for i, m in enumerate(objects.models)}
+        state: dict[str, Any] = {
+            f"model{i}": strategy.sharded_model_state_dict(m) for i, m in enumerate(objects.models)
+        }
         for j, opt in enumerate(objects.optimizers):
             state[f"optim{j}"] = strategy.optimizer_state_dict(_model_of(objects, opt), opt)
         return state
@@ -174,7 +184,9 @@ class Checkpointer:
             inner = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
             first = next((e for e in inner if isinstance(e, PhalanxError)), inner[0] if inner else err)
             text = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
-            raise PhalanxError(text if isinstance(first, PhalanxError) else f"cannot read the sharded checkpoint '{directory}': {text}") from None
+            raise PhalanxError(
+                text if isinstance(first, PhalanxError) else f"cannot read the sharded checkpoint '{directory}': {text}"
+            ) from None
         for i, model in enumerate(objects.models):
             strategy.load_sharded_model_state_dict(model, state[f"model{i}"])
         if not weights_only:
@@ -182,7 +194,14 @@ class Checkpointer:
                 with _same_group_dicts(opt):
                     strategy.load_optimizer_state_dict(_model_of(objects, opt), opt, state[f"optim{j}"])
 
-    def _manifest(self, objects: TrainingObjects, train: dict[str, Any], shapes: list[dict[str, list[int]]], sizes: list[int], described: dict[str, Any]) -> dict[str, Any]:
+    def _manifest(
+        self,
+        objects: TrainingObjects,
+        train: dict[str, Any],
+        shapes: list[dict[str, list[int]]],
+        sizes: list[int],
+        described: dict[str, Any],
+    ) -> dict[str, Any]:
         """Written by rank 0 alone: nothing in here may call a collective."""
         strategy = self.strategy
         return {
@@ -226,12 +245,16 @@ class Checkpointer:
     def _check_models(self, objects: TrainingObjects, manifest: dict[str, Any], directory: Path) -> None:
         saved = manifest["models"]
         if len(saved) != len(objects.models):
-            raise PhalanxError(f"checkpoint '{directory}' holds {len(saved)} model(s), this run set up {len(objects.models)}")
+            raise PhalanxError(
+                f"checkpoint '{directory}' holds {len(saved)} model(s), this run set up {len(objects.models)}"
+            )
         for index, (model_info, shapes) in enumerate(zip(saved, self._all_shapes(objects))):
             problem = shape_mismatch(model_info["shapes"], shapes)
             if problem:
                 which = f"model {index}" if len(saved) > 1 else "the model"
-                raise PhalanxError(f"checkpoint '{directory}' does not fit {which}: {problem}; load it into the architecture that saved it")
+                raise PhalanxError(
+                    f"checkpoint '{directory}' does not fit {which}: {problem}; load it into the architecture that saved it"
+                )
 
     # -- agreement between ranks ------------------------------------------------------------------
     def _agreed_manifest(self, path: Path) -> dict[str, Any]:
@@ -314,7 +337,9 @@ def shape_mismatch(saved: dict[str, list[int]], current: dict[str, list[int]]) -
     """A one-line description of how two models' state shapes differ, or None."""
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
-    resized = [f"{k} {saved[k]} in the checkpoint, {current[k]} here" for k in current if k in saved and saved[k] != current[k]]
+    resized = [
+        f"{k} {saved[k]} in the checkpoint, {current[k]} here" for k in current if k in saved and saved[k] != current[k]
+    ]
     parts = []
     if missing:
         parts.append(f"{len(missing)} key(s) missing from the checkpoint ({_few(missing)})")

@@ -20,19 +20,28 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from phalanx._torch_compat import DCP_METADATA_PRIVATE_GLOBALS, dcp_set_element
 from phalanx.errors import PhalanxError
 
-_METADATA_CLASSES = DCP_METADATA_PRIVATE_GLOBALS | {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
-        "MetadataIndex", "StorageMeta",
-    )
-} | {
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-}
+_METADATA_CLASSES = (
+    DCP_METADATA_PRIVATE_GLOBALS
+    | {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+        )
+    }
+    | {
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "Path"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 def load_file(path: Path) -> Any:
@@ -49,7 +58,9 @@ def load_file(path: Path) -> Any:
         raise PhalanxError(f"checkpoint file '{path}' is corrupt ({first}); use an earlier checkpoint") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise PhalanxError(f"checkpoint file '{path}' is truncated or corrupt ({first}); use an earlier checkpoint") from None
+        raise PhalanxError(
+            f"checkpoint file '{path}' is truncated or corrupt ({first}); use an earlier checkpoint"
+        ) from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -70,9 +81,13 @@ class SafeReader(FileSystemReader):
             with open(path, "rb") as fh:
                 metadata = _MetadataUnpickler(fh).load()
         except FileNotFoundError:
-            raise PhalanxError(f"checkpoint '{self.path}' has no .metadata file; it is incomplete, use an earlier one") from None
+            raise PhalanxError(
+                f"checkpoint '{self.path}' has no .metadata file; it is incomplete, use an earlier one"
+            ) from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
-            raise PhalanxError(f"checkpoint metadata '{path}' is corrupt or not a torch.distributed.checkpoint file ({err}); nothing was executed") from None
+            raise PhalanxError(
+                f"checkpoint metadata '{path}' is corrupt or not a torch.distributed.checkpoint file ({err}); nothing was executed"
+            ) from None
         # What the stock reader adds after unpickling.
         from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -89,7 +104,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise PhalanxError(f"a checkpoint entry ({read_item.dest_index.fqn}) holds Python objects phalanx does not unpickle: {str(err).splitlines()[0]}") from None
+            raise PhalanxError(
+                f"a checkpoint entry ({read_item.dest_index.fqn}) holds Python objects phalanx does not unpickle: {str(err).splitlines()[0]}"
+            ) from None
         if self.flatten_state_dict:
             # torch's own helper for the nested layout (what the stock planner calls here).
             dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

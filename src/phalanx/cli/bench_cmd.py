@@ -23,7 +23,11 @@ def register(commands) -> None:
     )
     shared = TrialArguments(bench, verb="bench", unit="run")
     shared.add("--demo")
-    bench.add_argument("--nproc-list", metavar="LIST", help="device counts to run, e.g. 1,2,4 (default: 1 to what `phalanx launch` would use; 1 is always added)")
+    bench.add_argument(
+        "--nproc-list",
+        metavar="LIST",
+        help="device counts to run, e.g. 1,2,4 (default: 1 to what `phalanx launch` would use; 1 is always added)",
+    )
     shared.add("--steps", default=30)
     shared.add("--warmup", help="first steps of each run left out of the figures (default 5)")
     shared.add("--set")

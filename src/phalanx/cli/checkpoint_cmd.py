@@ -8,17 +8,25 @@ import json
 from rich.table import Table
 
 from phalanx.checkpoint.export import export, open_checkpoint
-from phalanx.cli.console import console
 from phalanx.checkpoint.files import describe_layout
+from phalanx.cli.console import console
 from phalanx.util.units import format_bytes
 
 
 def register(commands) -> None:
     parser = commands.add_parser("checkpoint", help="inspect a checkpoint, or export its weights as a plain state dict")
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", parser_class=type(parser), required=True)
-    info = sub.add_parser("info", help="what a checkpoint holds", description="Show what a phalanx checkpoint holds and check its files against the manifest.")
+    info = sub.add_parser(
+        "info",
+        help="what a checkpoint holds",
+        description="Show what a phalanx checkpoint holds and check its files against the manifest.",
+    )
     info.add_argument("path", help="a checkpoint directory, its parent (the latest one is used) or its 'latest' file")
-    info.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of every file (fast for very large checkpoints)")
+    info.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the SHA-256 check of every file (fast for very large checkpoints)",
+    )
     info.add_argument("--json", action="store_true", help="print the manifest as JSON")
     info.set_defaults(run=_info)
     out = sub.add_parser(
@@ -28,7 +36,9 @@ def register(commands) -> None:
     )
     out.add_argument("path", help="a checkpoint directory, its parent or its 'latest' file")
     out.add_argument("out", help="the .pt file to write")
-    out.add_argument("--model", type=int, default=0, metavar="N", help="which model, when the run set up several (default 0)")
+    out.add_argument(
+        "--model", type=int, default=0, metavar="N", help="which model, when the run set up several (default 0)"
+    )
     out.set_defaults(run=_export)
 
 
@@ -41,17 +51,32 @@ def _info(args: argparse.Namespace) -> int:
     table.add_column(style="bold")
     table.add_column()
     data = manifest.get("data") or []
-    where = ", ".join(f"epoch {d['epoch'] + 1} at sample {d['position']}" for d in data if d.get("position") is not None) or "not recorded"
+    where = (
+        ", ".join(f"epoch {d['epoch'] + 1} at sample {d['position']}" for d in data if d.get("position") is not None)
+        or "not recorded"
+    )
     rows = [
         ("checkpoint", manifest["path"]),
         ("written", f"{manifest['created']} by phalanx {manifest['phalanx']}, torch {manifest['torch']}"),
         ("progress", f"step {manifest['step']}, epoch {manifest['epoch'] + 1}; data position: {where}"),
-        ("strategy", f"{manifest['strategy']} over {manifest['world_size']} process(es), {describe_layout(manifest['layout'])}"),
+        (
+            "strategy",
+            f"{manifest['strategy']} over {manifest['world_size']} process(es), {describe_layout(manifest['layout'])}",
+        ),
         ("batch", f"global batch {manifest['global_batch_size']}, precision {manifest['precision']}"),
-        ("models", "; ".join(f"{i}: {m['parameters']:,} parameters in {len(m['shapes'])} tensors" for i, m in enumerate(manifest["models"]))),
+        (
+            "models",
+            "; ".join(
+                f"{i}: {m['parameters']:,} parameters in {len(m['shapes'])} tensors"
+                for i, m in enumerate(manifest["models"])
+            ),
+        ),
         ("optimizers", ", ".join(manifest["optimizers"]) or "none"),
-        ("files", f"{len(manifest['files'])} files, {format_bytes(sum(f['bytes'] for f in manifest['files'].values()))}"
-         + ("" if args.no_verify else ", all match their SHA-256")),
+        (
+            "files",
+            f"{len(manifest['files'])} files, {format_bytes(sum(f['bytes'] for f in manifest['files'].values()))}"
+            + ("" if args.no_verify else ", all match their SHA-256"),
+        ),
     ]
     for key, value in rows:
         table.add_row(key, value)
@@ -62,7 +87,8 @@ def _info(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     manifest, state = export(args.path, args.out, args.model)
     count = sum(v.numel() for v in state.values())
-    print(f"phalanx: wrote {args.out}: {len(state)} tensors, {count:,} values of model {args.model} at step {manifest['step']} "
-          f"(saved by {manifest['strategy']}); load it with model.load_state_dict(torch.load('{args.out}'))")
+    print(
+        f"phalanx: wrote {args.out}: {len(state)} tensors, {count:,} values of model {args.model} at step {manifest['step']} "
+        f"(saved by {manifest['strategy']}); load it with model.load_state_dict(torch.load('{args.out}'))"
+    )
     return 0
-

@@ -20,16 +20,27 @@ from phalanx.topology import LaunchContext
 
 
 def register(commands) -> None:
-    config = commands.add_parser("config", help="write or inspect phalanx.yaml", description="Write or inspect the phalanx configuration.")
+    config = commands.add_parser(
+        "config", help="write or inspect phalanx.yaml", description="Write or inspect the phalanx configuration."
+    )
     sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", parser_class=type(config))
     init = sub.add_parser("init", help="write a commented phalanx.yaml (asks a few questions unless --defaults)")
     init.add_argument("--defaults", action="store_true", help="ask nothing, write the defaults")
-    init.add_argument("--output", "-o", default=DEFAULT_FILE, metavar="FILE", help=f"where to write (default {DEFAULT_FILE})")
+    init.add_argument(
+        "--output", "-o", default=DEFAULT_FILE, metavar="FILE", help=f"where to write (default {DEFAULT_FILE})"
+    )
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     init.set_defaults(run=_run_init)
     show = sub.add_parser("show", help="print the resolved config and where each value came from")
     show.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_FILE} when present)")
-    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one value (repeatable)")
+    show.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one value (repeatable)",
+    )
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.set_defaults(run=_run_show)
     config.set_defaults(run=lambda args: config.print_help() or 2)
@@ -57,8 +68,14 @@ def _ask() -> Config:
     precision = Prompt.ask("Precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     global_bs = IntPrompt.ask("Global batch size per optimizer step (0 = your DataLoader's batch_size)", default=0)
     micro_bs = IntPrompt.ask("Micro batch size per device (0 = global / processes)", default=0)
-    scaling = Prompt.ask("Scale the learning rate with the global batch", choices=["none", "linear", "sqrt"], default="none")
-    warmup = IntPrompt.ask("Warm-up steps", default=0) if scaling != "none" or Confirm.ask("Warm up the learning rate?", default=False) else 0
+    scaling = Prompt.ask(
+        "Scale the learning rate with the global batch", choices=["none", "linear", "sqrt"], default="none"
+    )
+    warmup = (
+        IntPrompt.ask("Warm-up steps", default=0)
+        if scaling != "none" or Confirm.ask("Warm up the learning rate?", default=False)
+        else 0
+    )
     return load_config(
         sections={
             "strategy": {"name": strategy},
@@ -76,7 +93,11 @@ def _run_show(args: argparse.Namespace) -> int:
     check_combination(config)  # an unknown strategy, or one refusing these settings, is an error here too
     flat, sources = config.flat(), config.sources
     if args.json:
-        print(json.dumps({key: {"value": value, "source": sources.get(key, "default")} for key, value in flat.items()}, indent=2))
+        print(
+            json.dumps(
+                {key: {"value": value, "source": sources.get(key, "default")} for key, value in flat.items()}, indent=2
+            )
+        )
         return 0
     table = Table(title="phalanx config", show_lines=False)
     table.add_column("setting")

@@ -16,22 +16,44 @@ from phalanx.topology import LaunchContext
 
 def register(commands) -> None:
     env = commands.add_parser(
-        "env", help="print this machine's setup for a bug report",
+        "env",
+        help="print this machine's setup for a bug report",
         description="Print phalanx, Python, torch, OS, CPUs, memory, GPUs, the resolved config and the distributed environment variables, as one block to paste into a bug report.",
     )
     env.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_FILE} when present)")
-    env.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one config value (repeatable)")
+    env.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config value (repeatable)",
+    )
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(run=_run_env)
 
     doctor = commands.add_parser(
-        "doctor", help="check this machine for multi-GPU work and measure all-reduce bandwidth",
+        "doctor",
+        help="check this machine for multi-GPU work and measure all-reduce bandwidth",
         description="Check GPUs, links, shared memory, limits and environment variables, each with a verdict and a fix, then measure all-reduce bandwidth between local processes. Exit code 1 when a check finds a problem.",
     )
-    doctor.add_argument("--nproc", type=int, metavar="N", help="processes for the live check (default: one per GPU; 2 CPU processes without a GPU)")
-    doctor.add_argument("--cpu", action="store_true", help="live check on CPU processes (gloo) even when GPUs are present")
-    doctor.add_argument("--sizes", metavar="LIST", help="message sizes for the live check, e.g. 4K,1M,64M (default 4K..64M on CPU, 4K..1G on GPU)")
-    doctor.add_argument("--iters", type=int, metavar="N", help="timed iterations per size (default 10 on CPU, 20 on GPU)")
+    doctor.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="processes for the live check (default: one per GPU; 2 CPU processes without a GPU)",
+    )
+    doctor.add_argument(
+        "--cpu", action="store_true", help="live check on CPU processes (gloo) even when GPUs are present"
+    )
+    doctor.add_argument(
+        "--sizes",
+        metavar="LIST",
+        help="message sizes for the live check, e.g. 4K,1M,64M (default 4K..64M on CPU, 4K..1G on GPU)",
+    )
+    doctor.add_argument(
+        "--iters", type=int, metavar="N", help="timed iterations per size (default 10 on CPU, 20 on GPU)"
+    )
     doctor.add_argument("--no-live", dest="live", action="store_false", help="skip the live all-reduce")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(run=_run_doctor)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from phalanx.version import __version__
 from phalanx.cli import bench_cmd, checkpoint_cmd, config_cmd, diagnose_cmd, launch_cmd, plan_cmd, tune_cmd
 from phalanx.errors import PhalanxError
+from phalanx.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):

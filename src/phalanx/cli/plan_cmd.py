@@ -34,18 +34,48 @@ def register(commands) -> None:
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="a callable that builds your model")
-    what.add_argument("--example", choices=sorted(EXAMPLES), help="a built-in model: digits (CNN) or gpt (small transformer)")
-    what.add_argument("--params", type=float, metavar="N", help="no model, a parameter count (e.g. 7.5e9): model state only")
-    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for the factory (repeatable)")
-    p.add_argument("--input-shape", metavar="DIMS", help="one sample's input shape without the batch, e.g. 3,224,224 or 128")
+    what.add_argument(
+        "--example", choices=sorted(EXAMPLES), help="a built-in model: digits (CNN) or gpt (small transformer)"
+    )
+    what.add_argument(
+        "--params", type=float, metavar="N", help="no model, a parameter count (e.g. 7.5e9): model state only"
+    )
+    p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the factory (repeatable)",
+    )
+    p.add_argument(
+        "--input-shape", metavar="DIMS", help="one sample's input shape without the batch, e.g. 3,224,224 or 128"
+    )
     p.add_argument("--input-dtype", choices=sorted(_DTYPES), help="float (default) or long (token ids)")
     p.add_argument("--micro-batch", type=int, default=8, metavar="N", help="samples per device per forward (default 8)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="default fp32")
-    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam", help="sgd, sgd with momentum, or adam/adamw (default)")
+    p.add_argument(
+        "--optimizer",
+        choices=["sgd", "momentum", "adam"],
+        default="adam",
+        help="sgd, sgd with momentum, or adam/adamw (default)",
+    )
     p.add_argument("--devices", type=int, metavar="N", help="devices to shard over (default: visible GPUs, else 2)")
-    p.add_argument("--device-memory", type=float, metavar="GIB", help="memory per device in GiB (default: GPU 0's, when visible)")
-    p.add_argument("--checkpoint", action="append", default=[], metavar="CLASS", help="module class for activation checkpointing (default: the most repeated block)")
-    p.add_argument("--accounting", choices=["phalanx", "zero-paper"], default="phalanx", help="phalanx: what phalanx keeps (fp32 state); zero-paper: 2+2+12 bytes per parameter")
+    p.add_argument(
+        "--device-memory", type=float, metavar="GIB", help="memory per device in GiB (default: GPU 0's, when visible)"
+    )
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="CLASS",
+        help="module class for activation checkpointing (default: the most repeated block)",
+    )
+    p.add_argument(
+        "--accounting",
+        choices=["phalanx", "zero-paper"],
+        default="phalanx",
+        help="phalanx: what phalanx keeps (fp32 state); zero-paper: 2+2+12 bytes per parameter",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_run)
 
@@ -71,7 +101,9 @@ def _run(args: argparse.Namespace) -> int:
         path, shape, dtype = EXAMPLES[args.example] if args.example else (args.model, None, "float")
         shape = args.input_shape or shape
         if shape is None:
-            raise PhalanxError("--input-shape is needed with --model: one sample's shape without the batch, e.g. 3,224,224")
+            raise PhalanxError(
+                "--input-shape is needed with --model: one sample's shape without the batch, e.g. 3,224,224"
+            )
         dims = _parse_shape(shape)
         factory = load_factory(path)
         kwargs = dict(_parse_kv(kv) for kv in args.model_arg)
@@ -86,12 +118,25 @@ def _run(args: argparse.Namespace) -> int:
             checkpointed = measure_activations(factory, kwargs, dims, input_dtype, args.precision, classes)
         measured_on = activations.measured_on
     plan = make_plan(
-        n_params, devices, optimizer=args.optimizer, accounting=args.accounting, micro_batch=args.micro_batch,
-        activations=activations, checkpointed=checkpointed, checkpoint_classes=classes, device_memory=memory,
-        trainable=trainable, precision=args.precision, sequential=sequential,
+        n_params,
+        devices,
+        optimizer=args.optimizer,
+        accounting=args.accounting,
+        micro_batch=args.micro_batch,
+        activations=activations,
+        checkpointed=checkpointed,
+        checkpoint_classes=classes,
+        device_memory=memory,
+        trainable=trainable,
+        precision=args.precision,
+        sequential=sequential,
     )
     if args.json:
-        print(json.dumps(plan.to_dict() | {"activations_measured_on": measured_on, "checkpoint_classes": classes}, indent=2))
+        print(
+            json.dumps(
+                plan.to_dict() | {"activations_measured_on": measured_on, "checkpoint_classes": classes}, indent=2
+            )
+        )
         return 0
     _print(plan, args, measured_on, classes, sequential)
     return 0
@@ -99,7 +144,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _print(plan, args, measured_on, classes, sequential: bool) -> None:
     console = make_console()
-    state = "mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper)" if args.accounting == "zero-paper" else f"{args.precision}, {args.optimizer}"
+    state = (
+        "mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper)"
+        if args.accounting == "zero-paper"
+        else f"{args.precision}, {args.optimizer}"
+    )
     title = f"{plan.n_params:,} parameters, {plan.devices} devices, micro-batch {args.micro_batch}, {state}"
     table = Table(title=title)
     for col in ("strategy", "parameters", "gradients", "optimizer", "activations", "total / device", "fits"):
@@ -109,7 +158,9 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
     for row in plan.rows:
         fits = "-" if row.fits is None else ("yes" if row.fits else "no")
         acts = fmt(row.activations) if row.activations is not None else "-"
-        table.add_row(row.label, fmt(row.parameters), fmt(row.gradients), fmt(row.optimizer), acts, fmt(row.total), fits)
+        table.add_row(
+            row.label, fmt(row.parameters), fmt(row.gradients), fmt(row.optimizer), acts, fmt(row.total), fits
+        )
     console.print(table)
     for cls, why in left_out(args.precision, sequential):
         console.print(f"{cls.name} is left out: {why}")
@@ -118,15 +169,23 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
             needs = "needs an nn.Sequential model; " if cls.needs_sequential else ""
             console.print(f"{cls.name}: {needs}stages assumed balanced (parameters and activations / devices)")
     if measured_on:
-        console.print(f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch")
+        console.print(
+            f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch"
+        )
         if classes:
             console.print(f"checkpointing rows recompute: {', '.join(classes)}")
     if plan.device_memory is None:
-        console.print("device memory unknown (no GPU visible): pass --device-memory GIB to see what fits and get a recommendation")
+        console.print(
+            "device memory unknown (no GPU visible): pass --device-memory GIB to see what fits and get a recommendation"
+        )
     elif plan.recommendation is None:
-        console.print(f"nothing fits in {plan.device_memory / _GIB:.2f} GiB per device: lower --micro-batch, use more devices, or bf16")
+        console.print(
+            f"nothing fits in {plan.device_memory / _GIB:.2f} GiB per device: lower --micro-batch, use more devices, or bf16"
+        )
     else:
-        console.print(f"recommended: {plan.recommendation.label} (the least communication that fits in 90% of {plan.device_memory / _GIB:.2f} GiB)")
+        console.print(
+            f"recommended: {plan.recommendation.label} (the least communication that fits in 90% of {plan.device_memory / _GIB:.2f} GiB)"
+        )
         console.print("phalanx.yaml:\n" + plan.config_lines)
 
 
@@ -157,7 +216,10 @@ def _repeated_block(model) -> list[str]:
     counts = Counter(
         type(m).__name__
         for m in model.modules()
-        if m is not model and not isinstance(m, containers) and len(list(m.children())) > 0 and any(True for _ in m.parameters())
+        if m is not model
+        and not isinstance(m, containers)
+        and len(list(m.children())) > 0
+        and any(True for _ in m.parameters())
     )
     repeated = [(n, c) for n, c in counts.items() if c > 1]
     return [max(repeated, key=lambda nc: nc[1])[0]] if repeated else []

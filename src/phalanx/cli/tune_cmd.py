@@ -29,12 +29,27 @@ def register(commands) -> None:
         help="config file the trials read and the winners go into (default: ./phalanx.yaml, created when absent)",
     )
     shared.add("--set", help="override one config value for every trial (repeatable; not written)")
-    tune.add_argument("--memory-cap", metavar="SIZE", help="memory each rank may use, e.g. 2GiB (train.memory_cap for the trials; on CPU this is what limits memory)")
+    tune.add_argument(
+        "--memory-cap",
+        metavar="SIZE",
+        help="memory each rank may use, e.g. 2GiB (train.memory_cap for the trials; on CPU this is what limits memory)",
+    )
     shared.add("--steps", default=20)
     shared.add("--warmup")
-    tune.add_argument("--max-micro-batch", type=int, metavar="N", help="largest micro-batch to try (default: the global batch per process; with --allow-global-batch 8 times that)")
-    tune.add_argument("--allow-global-batch", action="store_true", help="let the global batch grow past the script's (then the learning-rate scaling is written too)")
-    tune.add_argument("--search", metavar="LIST", help="stages to run, from micro-batch,workers,bucket (default: all three)")
+    tune.add_argument(
+        "--max-micro-batch",
+        type=int,
+        metavar="N",
+        help="largest micro-batch to try (default: the global batch per process; with --allow-global-batch 8 times that)",
+    )
+    tune.add_argument(
+        "--allow-global-batch",
+        action="store_true",
+        help="let the global batch grow past the script's (then the learning-rate scaling is written too)",
+    )
+    tune.add_argument(
+        "--search", metavar="LIST", help="stages to run, from micro-batch,workers,bucket (default: all three)"
+    )
     tune.add_argument("--dry-run", action="store_true", help="run the trials and print the choice, but write nothing")
     shared.add("--run-dir")
     shared.add("--cpu")
@@ -70,6 +85,8 @@ def _run_tune(args: argparse.Namespace) -> int:
     else:
         w = result.written
         kept = "previous version in " + str(w.backup) if w.backup else "new file"
-        comments = "" if w.comments_kept else "; its comments could not be kept (flow-style YAML): they are in the backup"
+        comments = (
+            "" if w.comments_kept else "; its comments could not be kept (flow-style YAML): they are in the backup"
+        )
         print(f"phalanx: wrote {settings} into {w.path} ({kept}{comments}); trials in {result.directory}")
     return 0

@@ -30,7 +30,9 @@ def plan_batch(data_parallel_size: int, global_batch_size: int | None, micro_bat
     """
     n = data_parallel_size
     if global_batch_size is None and micro_batch_size is None:
-        raise ConfigError("set batch.global_batch_size (or pass a DataLoader with a batch_size) so phalanx can split it over processes")
+        raise ConfigError(
+            "set batch.global_batch_size (or pass a DataLoader with a batch_size) so phalanx can split it over processes"
+        )
     if global_batch_size is None:
         return BatchPlan(micro_batch_size * n, micro_batch_size, 1, n)
     if micro_batch_size is None:

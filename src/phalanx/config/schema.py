@@ -8,21 +8,21 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, model_validator
 
 from phalanx.config.sections import (
+    SHORTHAND,
     BatchConfig,
     CheckpointConfig,
     ComputeConfig,
-    DDPConfig,
     DataConfig,
-    FSDPConfig,
+    DDPConfig,
     FaultsConfig,
+    FSDPConfig,
     LaunchConfig,
     OptimConfig,
     PipelineConfig,
     PrecisionConfig,
-    SHORTHAND,
+    Section,
     StrategyConfig,
     TrainConfig,
-    Section,
     flatten,
     parse_period,
 )
@@ -30,7 +30,10 @@ from phalanx.config.sources import resolve
 
 
 class Config(Section):
-    preset: Literal["none", "throughput"] = Field("none", description="throughput: turn on what is safe and fast for this device, below your own settings (docs/performance.md) | none")
+    preset: Literal["none", "throughput"] = Field(
+        "none",
+        description="throughput: turn on what is safe and fast for this device, below your own settings (docs/performance.md) | none",
+    )
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -74,7 +77,9 @@ class Config(Section):
     def _compile_mode_needs_compile(self):
         compute = self.compute
         if compute.compile_mode != "default" and not compute.compile:
-            raise ValueError(f"compute.compile_mode={compute.compile_mode} has no effect while compute.compile is false; set compute.compile: true, or leave compile_mode at default")
+            raise ValueError(
+                f"compute.compile_mode={compute.compile_mode} has no effect while compute.compile is false; set compute.compile: true, or leave compile_mode at default"
+            )
         return self
 
     def flat(self) -> dict[str, object]:
@@ -82,4 +87,22 @@ class Config(Section):
         return flatten(self.model_dump())
 
 
-__all__ = ["Config", "SHORTHAND", "flatten", "parse_period", "BatchConfig", "CheckpointConfig", "ComputeConfig", "DDPConfig", "DataConfig", "FSDPConfig", "FaultsConfig", "LaunchConfig", "OptimConfig", "PipelineConfig", "PrecisionConfig", "StrategyConfig", "TrainConfig"]
+__all__ = [
+    "Config",
+    "SHORTHAND",
+    "flatten",
+    "parse_period",
+    "BatchConfig",
+    "CheckpointConfig",
+    "ComputeConfig",
+    "DDPConfig",
+    "DataConfig",
+    "FSDPConfig",
+    "FaultsConfig",
+    "LaunchConfig",
+    "OptimConfig",
+    "PipelineConfig",
+    "PrecisionConfig",
+    "StrategyConfig",
+    "TrainConfig",
+]

@@ -15,16 +15,40 @@ class Section(BaseModel):
 
 
 class DDPConfig(Section):
-    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces")
-    first_bucket_cap_mb: Optional[float] = Field(None, gt=0, description="size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner (null: every bucket is bucket_cap_mb)")
-    gradient_as_bucket_view: bool = Field(True, description="gradients alias the communication buckets (saves one copy of the gradients)")
-    static_graph: bool = Field(False, description="the set of used parameters never changes between steps (enables DDP's graph optimisations)")
-    find_unused_parameters: Union[bool, Literal["auto"]] = Field("auto", description="auto: find in the first step whether some parameter gets no gradient, then run at full speed (none) or keep searching every step (some: named once) | true: search every step (costs a graph traversal per step) | false: never")
-    broadcast_buffers: bool = Field(True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward")
-    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field("none", description="gradient compression for the all-reduce: none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)")
-    powersgd_rank: int = Field(1, gt=0, description="powersgd: rank of the low-rank approximation (higher: more accurate, more traffic)")
-    powersgd_start_step: int = Field(10, ge=2, description="powersgd: optimizer steps of uncompressed all-reduce before compression starts")
-    powersgd_warm_start: bool = Field(True, description="powersgd: reuse the last step's low-rank factors (cheaper, usually as accurate)")
+    bucket_cap_mb: float = Field(
+        25.0, gt=0, description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces"
+    )
+    first_bucket_cap_mb: Optional[float] = Field(
+        None,
+        gt=0,
+        description="size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner (null: every bucket is bucket_cap_mb)",
+    )
+    gradient_as_bucket_view: bool = Field(
+        True, description="gradients alias the communication buckets (saves one copy of the gradients)"
+    )
+    static_graph: bool = Field(
+        False, description="the set of used parameters never changes between steps (enables DDP's graph optimisations)"
+    )
+    find_unused_parameters: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description="auto: find in the first step whether some parameter gets no gradient, then run at full speed (none) or keep searching every step (some: named once) | true: search every step (costs a graph traversal per step) | false: never",
+    )
+    broadcast_buffers: bool = Field(
+        True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward"
+    )
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none",
+        description="gradient compression for the all-reduce: none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)",
+    )
+    powersgd_rank: int = Field(
+        1, gt=0, description="powersgd: rank of the low-rank approximation (higher: more accurate, more traffic)"
+    )
+    powersgd_start_step: int = Field(
+        10, ge=2, description="powersgd: optimizer steps of uncompressed all-reduce before compression starts"
+    )
+    powersgd_warm_start: bool = Field(
+        True, description="powersgd: reuse the last step's low-rank factors (cheaper, usually as accurate)"
+    )
 
     @field_validator("find_unused_parameters", mode="before")
     @classmethod
@@ -37,53 +61,124 @@ class DDPConfig(Section):
 
 
 class FSDPConfig(Section):
-    reshard_after_forward: bool = Field(True, description="free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, less communication)")
-    wrap: list[str] = Field(default_factory=list, description="module class names that each become a shard unit, e.g. [TransformerBlock] (empty: automatic by size)")
-    min_params: int = Field(100_000, gt=0, description="automatic wrapping: a submodule with at least this many parameters of its own becomes a shard unit")
-    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of gradient reduction under bf16 precision")
-    cpu_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in CPU memory (slow; for models that do not fit otherwise)")
+    reshard_after_forward: bool = Field(
+        True,
+        description="free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, less communication)",
+    )
+    wrap: list[str] = Field(
+        default_factory=list,
+        description="module class names that each become a shard unit, e.g. [TransformerBlock] (empty: automatic by size)",
+    )
+    min_params: int = Field(
+        100_000,
+        gt=0,
+        description="automatic wrapping: a submodule with at least this many parameters of its own becomes a shard unit",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of gradient reduction under bf16 precision"
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="keep sharded parameters, gradients and optimizer state in CPU memory (slow; for models that do not fit otherwise)",
+    )
 
 
 class PipelineConfig(Section):
-    schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="gpipe: all forwards, then all backwards; 1f1b: interleaved, fewer activations held")
-    microbatches: int = Field(4, gt=0, description="pipeline micro-batches each micro-batch is cut into (must divide batch.micro_batch_size)")
-    split_points: list[str] = Field(default_factory=list, description="child names where a new stage begins, e.g. ['4', '8'] (empty: balanced by parameter count)")
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b", description="gpipe: all forwards, then all backwards; 1f1b: interleaved, fewer activations held"
+    )
+    microbatches: int = Field(
+        4, gt=0, description="pipeline micro-batches each micro-batch is cut into (must divide batch.micro_batch_size)"
+    )
+    split_points: list[str] = Field(
+        default_factory=list,
+        description="child names where a new stage begins, e.g. ['4', '8'] (empty: balanced by parameter count)",
+    )
 
 
 class StrategyConfig(Section):
-    name: str = Field("auto", description="auto | single | dp | ddp | zero1 | fsdp | model_parallel | pipeline (auto: ddp with several processes, else single)")
-    activation_checkpointing: list[str] = Field(default_factory=list, description="module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]")
+    name: str = Field(
+        "auto",
+        description="auto | single | dp | ddp | zero1 | fsdp | model_parallel | pipeline (auto: ddp with several processes, else single)",
+    )
+    activation_checkpointing: list[str] = Field(
+        default_factory=list,
+        description="module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]",
+    )
     ddp: DDPConfig = Field(default_factory=DDPConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
 
 class BatchConfig(Section):
-    global_batch_size: Optional[int] = Field(None, gt=0, description="samples per optimizer step over all devices (null: the training DataLoader's batch_size)")
-    micro_batch_size: Optional[int] = Field(None, gt=0, description="samples per device per forward (null: global_batch_size / data-parallel processes)")
+    global_batch_size: Optional[int] = Field(
+        None,
+        gt=0,
+        description="samples per optimizer step over all devices (null: the training DataLoader's batch_size)",
+    )
+    micro_batch_size: Optional[int] = Field(
+        None, gt=0, description="samples per device per forward (null: global_batch_size / data-parallel processes)"
+    )
 
 
 class OptimConfig(Section):
-    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="scale the learning rate with global_batch_size / reference_batch_size: none | linear | sqrt")
-    reference_batch_size: Optional[int] = Field(None, gt=0, description="batch size the learning rate was tuned for (null: the training DataLoader's batch_size)")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none",
+        description="scale the learning rate with global_batch_size / reference_batch_size: none | linear | sqrt",
+    )
+    reference_batch_size: Optional[int] = Field(
+        None,
+        gt=0,
+        description="batch size the learning rate was tuned for (null: the training DataLoader's batch_size)",
+    )
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up of the scaled learning rate")
-    warmup_start_factor: Optional[float] = Field(None, ge=0, le=1, description="warm-up starts at this fraction of the target lr (null: the unscaled lr when scaling, as in Goyal et al. 2017, else 0)")
-    max_grad_norm: Optional[float] = Field(None, gt=0, description="clip the global gradient norm before every optimizer step (null: no clipping)")
+    warmup_start_factor: Optional[float] = Field(
+        None,
+        ge=0,
+        le=1,
+        description="warm-up starts at this fraction of the target lr (null: the unscaled lr when scaling, as in Goyal et al. 2017, else 0)",
+    )
+    max_grad_norm: Optional[float] = Field(
+        None, gt=0, description="clip the global gradient norm before every optimizer step (null: no clipping)"
+    )
 
 
 class PrecisionConfig(Section):
-    mode: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler)")
-    tf32: bool = Field(False, description="allow TF32 matmuls and convolutions on CUDA (faster on Ampere and newer, ~1e-3 relative error); false keeps PyTorch's defaults")
-    cudnn_benchmark: bool = Field(False, description="let cuDNN pick the fastest convolution algorithms for fixed input shapes")
+    mode: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler)"
+    )
+    tf32: bool = Field(
+        False,
+        description="allow TF32 matmuls and convolutions on CUDA (faster on Ampere and newer, ~1e-3 relative error); false keeps PyTorch's defaults",
+    )
+    cudnn_benchmark: bool = Field(
+        False, description="let cuDNN pick the fastest convolution algorithms for fixed input shapes"
+    )
 
 
 class DataConfig(Section):
-    num_workers: Optional[Union[int, Literal["auto"]]] = Field(None, description="loader worker processes per rank, or auto (this node's cores / its ranks - 1, at most 8) (null: keep the DataLoader's own)")
-    pin_memory: Optional[bool] = Field(None, description="page-locked host memory for faster copies (null: on with CUDA)")
-    persistent_workers: Optional[bool] = Field(None, description="keep loader workers alive between epochs (null: on when the loader has workers)")
-    prefetch_factor: Optional[int] = Field(None, gt=0, description="batches each worker loads ahead; only for loaders with workers (null: the DataLoader's own, 2 by default)")
-    prefetch_to_device: bool = Field(True, description="CUDA: copy the next batch to the GPU on a side stream while the current one computes")
-    drop_last: bool = Field(False, description="drop the last incomplete global batch of each epoch instead of filling it with samples from the start")
+    num_workers: Optional[Union[int, Literal["auto"]]] = Field(
+        None,
+        description="loader worker processes per rank, or auto (this node's cores / its ranks - 1, at most 8) (null: keep the DataLoader's own)",
+    )
+    pin_memory: Optional[bool] = Field(
+        None, description="page-locked host memory for faster copies (null: on with CUDA)"
+    )
+    persistent_workers: Optional[bool] = Field(
+        None, description="keep loader workers alive between epochs (null: on when the loader has workers)"
+    )
+    prefetch_factor: Optional[int] = Field(
+        None,
+        gt=0,
+        description="batches each worker loads ahead; only for loaders with workers (null: the DataLoader's own, 2 by default)",
+    )
+    prefetch_to_device: bool = Field(
+        True, description="CUDA: copy the next batch to the GPU on a side stream while the current one computes"
+    )
+    drop_last: bool = Field(
+        False,
+        description="drop the last incomplete global batch of each epoch instead of filling it with samples from the start",
+    )
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -97,26 +192,47 @@ class DataConfig(Section):
     def _needs_workers(cls, value, info: ValidationInfo):
         # Only where the file says 0 itself: with null or auto the count is known at setup().
         if value and info.data.get("num_workers") == 0:
-            raise ValueError(f"{info.field_name} applies to loader worker processes, but data.num_workers is 0; raise data.num_workers or set data.{info.field_name} to null")
+            raise ValueError(
+                f"{info.field_name} applies to loader worker processes, but data.num_workers is 0; raise data.num_workers or set data.{info.field_name} to null"
+            )
         return value
 
 
 class ComputeConfig(Section):
-    compile: bool = Field(False, description="torch.compile the model after the strategy wraps it (the first steps are slow while it compiles; strategies auto, single, ddp, zero1, fsdp)")
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field("default", description="torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune (longer compile, faster kernels)")
-    channels_last: bool = Field(False, description="convolution weights and 4-D input batches in channels-last memory format (faster convolutions on tensor-core GPUs)")
-    optimizer_impl: Optional[Literal["auto", "foreach", "fused", "loop"]] = Field(None, description="optimizer kernels: auto (fused where the optimizer and device have them, else foreach on CUDA) | foreach | fused | loop (null: as the optimizer was built)")
+    compile: bool = Field(
+        False,
+        description="torch.compile the model after the strategy wraps it (the first steps are slow while it compiles; strategies auto, single, ddp, zero1, fsdp)",
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
+        "default",
+        description="torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune (longer compile, faster kernels)",
+    )
+    channels_last: bool = Field(
+        False,
+        description="convolution weights and 4-D input batches in channels-last memory format (faster convolutions on tensor-core GPUs)",
+    )
+    optimizer_impl: Optional[Literal["auto", "foreach", "fused", "loop"]] = Field(
+        None,
+        description="optimizer kernels: auto (fused where the optimizer and device have them, else foreach on CUDA) | foreach | fused | loop (null: as the optimizer was built)",
+    )
 
 
 class TrainConfig(Section):
     epochs: int = Field(1, gt=0, description="epochs that session.epochs() yields")
-    seed: int = Field(0, description="seed for model init, shuffling and every rank's RNG (rank-offset where it must differ)")
+    seed: int = Field(
+        0, description="seed for model init, shuffling and every rank's RNG (rank-offset where it must differ)"
+    )
     progress: bool = Field(True, description="rank-0 progress bar with loss and samples/s")
     metrics: bool = Field(True, description="per-step metrics JSONL in the run dir and the end-of-run summary")
     tensorboard: bool = Field(True, description="also write TensorBoard scalars when tensorboard is installed")
-    profile: Optional[str] = Field(None, description="torch.profiler trace of optimizer steps A to B-1, e.g. 'steps=5:8' (null: no profiling)")
+    profile: Optional[str] = Field(
+        None, description="torch.profiler trace of optimizer steps A to B-1, e.g. 'steps=5:8' (null: no profiling)"
+    )
     profile_ranks: list[int] = Field(default_factory=lambda: [0], description="ranks that write a profile trace")
-    memory_cap: Optional[Union[int, str]] = Field(None, description="largest memory each rank may use, e.g. '2GiB' (CUDA: the allocator's limit; CPU: growth of peak resident memory since session.setup()); over it, torch.OutOfMemoryError (null: no cap)")
+    memory_cap: Optional[Union[int, str]] = Field(
+        None,
+        description="largest memory each rank may use, e.g. '2GiB' (CUDA: the allocator's limit; CPU: growth of peak resident memory since session.setup()); over it, torch.OutOfMemoryError (null: no cap)",
+    )
 
     @field_validator("memory_cap")
     @classmethod
@@ -129,10 +245,21 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    dir: str = Field("checkpoints", description="where checkpoints go (one directory per save, plus a 'latest' pointer); shared by every node")
-    save_every: Optional[Union[int, str]] = Field(None, description="save automatically every N optimizer steps (e.g. 500) or every period of time ('30m', '2h'); null: only when session.save() is called")
-    keep_last: Optional[int] = Field(3, gt=0, description="complete checkpoints to keep; older ones are deleted after each save (null: keep all)")
-    resume: str = Field("auto", description="auto: continue from the latest complete checkpoint in dir when there is one | never | the path of a checkpoint")
+    dir: str = Field(
+        "checkpoints",
+        description="where checkpoints go (one directory per save, plus a 'latest' pointer); shared by every node",
+    )
+    save_every: Optional[Union[int, str]] = Field(
+        None,
+        description="save automatically every N optimizer steps (e.g. 500) or every period of time ('30m', '2h'); null: only when session.save() is called",
+    )
+    keep_last: Optional[int] = Field(
+        3, gt=0, description="complete checkpoints to keep; older ones are deleted after each save (null: keep all)"
+    )
+    resume: str = Field(
+        "auto",
+        description="auto: continue from the latest complete checkpoint in dir when there is one | never | the path of a checkpoint",
+    )
 
     @field_validator("save_every")
     @classmethod
@@ -153,25 +280,51 @@ def parse_period(text: str) -> float | None:
 
 
 class FaultsConfig(Section):
-    hang_timeout: float = Field(300.0, ge=0, description="seconds without progress (no step, batch or collective finishing) after which every rank's stack is printed and the job stopped; 0 turns the watchdog off")
-    preempt_grace: float = Field(60.0, gt=0, description="seconds a SIGTERM'd job gets to finish its step and write a checkpoint before it is killed")
+    hang_timeout: float = Field(
+        300.0,
+        ge=0,
+        description="seconds without progress (no step, batch or collective finishing) after which every rank's stack is printed and the job stopped; 0 turns the watchdog off",
+    )
+    preempt_grace: float = Field(
+        60.0,
+        gt=0,
+        description="seconds a SIGTERM'd job gets to finish its step and write a checkpoint before it is killed",
+    )
 
 
 class LaunchConfig(Section):
     """What ``phalanx launch`` starts; each flag of it is a shorthand for one of these (--nproc 4 is
     --set launch.nproc=4), so a run's config.yaml holds them too."""
 
-    nproc: Optional[int] = Field(None, gt=0, description="processes per node (null: one per visible GPU, or 2 on a CPU-only machine)")
+    nproc: Optional[int] = Field(
+        None, gt=0, description="processes per node (null: one per visible GPU, or 2 on a CPU-only machine)"
+    )
     gpus: Optional[str] = Field(None, description="comma-separated GPU indices to use, e.g. '0,2' (null: all visible)")
     cpu: bool = Field(False, description="run CPU processes on gloo even when GPUs are present (gpus is then ignored)")
-    ranks: Literal["0", "all"] = Field("0", description="whose output the terminal shows: 0 (rank 0 only) or all (each line prefixed [rank N])")
+    ranks: Literal["0", "all"] = Field(
+        "0", description="whose output the terminal shows: 0 (rank 0 only) or all (each line prefixed [rank N])"
+    )
     run_dir: str = Field("runs", description="where each run's directory (logs, resolved config) is created")
-    max_restarts: int = Field(0, ge=0, description="restart the whole job this many times after a failure; each restart resumes from the latest checkpoint")
-    nnodes: int = Field(1, gt=0, description="machines in the job (multi-node: also node_rank and master, or rdzv_endpoint)")
-    node_rank: Optional[int] = Field(None, ge=0, description="this machine's index, 0..nnodes-1, with master (static rendezvous)")
-    master: Optional[str] = Field(None, description="host:port of node 0, where the rendezvous store listens (static rendezvous, with node_rank)")
-    rdzv_endpoint: Optional[str] = Field(None, description="host:port of torch elastic's c10d rendezvous (dynamic: node ranks are assigned on arrival)")
-    rdzv_id: Optional[str] = Field(None, description="job id that every node passes to the c10d rendezvous (null: SLURM_JOB_ID, else 'phalanx')")
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="restart the whole job this many times after a failure; each restart resumes from the latest checkpoint",
+    )
+    nnodes: int = Field(
+        1, gt=0, description="machines in the job (multi-node: also node_rank and master, or rdzv_endpoint)"
+    )
+    node_rank: Optional[int] = Field(
+        None, ge=0, description="this machine's index, 0..nnodes-1, with master (static rendezvous)"
+    )
+    master: Optional[str] = Field(
+        None, description="host:port of node 0, where the rendezvous store listens (static rendezvous, with node_rank)"
+    )
+    rdzv_endpoint: Optional[str] = Field(
+        None, description="host:port of torch elastic's c10d rendezvous (dynamic: node ranks are assigned on arrival)"
+    )
+    rdzv_id: Optional[str] = Field(
+        None, description="job id that every node passes to the c10d rendezvous (null: SLURM_JOB_ID, else 'phalanx')"
+    )
     verbose: bool = Field(False, description="also show torch elastic's own log lines, and the run time at the end")
 
     @model_validator(mode="before")
@@ -179,7 +332,14 @@ class LaunchConfig(Section):
     def _numbers_as_text(cls, data):
         # YAML reads `ranks: 0` and `gpus: 1` as ints; accept them.
         if isinstance(data, dict):
-            data = {**data, **{k: str(data[k]) for k in ("ranks", "gpus") if isinstance(data.get(k), int) and not isinstance(data.get(k), bool)}}
+            data = {
+                **data,
+                **{
+                    k: str(data[k])
+                    for k in ("ranks", "gpus")
+                    if isinstance(data.get(k), int) and not isinstance(data.get(k), bool)
+                },
+            }
         return data
 
 

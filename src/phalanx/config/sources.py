@@ -47,11 +47,15 @@ def read_file(path: str | Path) -> dict[str, Any]:
         if mark is not None:
             where = f" line {mark.line + 1}"
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"config file '{path}'{where} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {problem}") from None
+        raise ConfigError(
+            f"config file '{path}'{where} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: {problem}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of sections (strategy:, batch:, ...), not a {type(data).__name__}")
+        raise ConfigError(
+            f"config file '{path}' must hold a mapping of sections (strategy:, batch:, ...), not a {type(data).__name__}"
+        )
     return data
 
 
@@ -170,7 +174,9 @@ def override(config: T, sections: Mapping[str, Any], context: LaunchContext | No
     return _validated(type(config), tree, sources, context)
 
 
-def _validated(schema: type[T], tree: dict[str, Any], sources: dict[str, str], context: LaunchContext | None = None) -> T:
+def _validated(
+    schema: type[T], tree: dict[str, Any], sources: dict[str, str], context: LaunchContext | None = None
+) -> T:
     apply_preset(tree, sources, flatten(schema().model_dump()), device_kind(context))
     try:
         config = schema.model_validate(tree)
@@ -182,7 +188,11 @@ def _validated(schema: type[T], tree: dict[str, Any], sources: dict[str, str], c
 
 def _top_level_values(schema: type[BaseModel]) -> list[str]:
     """Top-level settings that are values, not sections (``preset``)."""
-    return [name for name, info in schema.model_fields.items() if not (isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel))]
+    return [
+        name
+        for name, info in schema.model_fields.items()
+        if not (isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel))
+    ]
 
 
 def _set_in_code(config: BaseModel) -> dict[str, str]:

@@ -19,7 +19,12 @@ from phalanx.demo.digits import DigitsCNN, train_test_split
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: train.epochs, 12 for the demo)")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop training after this many optimizer steps, over as many epochs as that takes (phalanx bench's short runs)")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop training after this many optimizer steps, over as many epochs as that takes (phalanx bench's short runs)",
+    )
     args = parser.parse_args()
 
     # Code defaults for the demo: they beat phalanx.yaml, and `--set train.epochs=N` beats them.
@@ -31,7 +36,9 @@ def main() -> None:
     test_loader = DataLoader(test_set, batch_size=128, shuffle=False)
     steps = args.max_steps or session.config.train.epochs * -(-len(train_set) // 64)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-    model, optimizer, train_loader, test_loader, scheduler = session.setup(model, optimizer, train_loader, test_loader, scheduler)
+    model, optimizer, train_loader, test_loader, scheduler = session.setup(
+        model, optimizer, train_loader, test_loader, scheduler
+    )
 
     epochs = None
     if args.max_steps:

@@ -16,10 +16,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.util.units import parse_size
 from phalanx.errors import PhalanxError
 from phalanx.launch.spawn import spawn
 from phalanx.topology import Topology
+from phalanx.util.units import parse_size
 
 CPU_SIZES = "4K,64K,1M,16M,64M"
 GPU_SIZES = "4K,64K,1M,16M,256M,1G"
@@ -56,7 +56,9 @@ def size_result(nbytes: int, seconds: float, world_size: int) -> SizeResult:
 def measure(sizes: Sequence[int], nproc: int, *, cuda: bool, iters: int, timeout: float) -> list[SizeResult]:
     """Start ``nproc`` processes (one per GPU with ``cuda``, else CPU processes on gloo) and time an
     all-reduce of each size. Raises what the processes raised, or TimeoutError."""
-    per_rank = spawn(_rank_times, nprocs=nproc, args=(list(sizes), iters, warmup_for(iters)), cpu=not cuda, timeout=timeout)
+    per_rank = spawn(
+        _rank_times, nprocs=nproc, args=(list(sizes), iters, warmup_for(iters)), cpu=not cuda, timeout=timeout
+    )
     return [size_result(nbytes, seconds, nproc) for nbytes, seconds in zip(sizes, per_rank[0])]
 
 

@@ -9,10 +9,10 @@ from phalanx.diagnose.allreduce import SizeResult
 from phalanx.diagnose.checks import OK, PROBLEM, SKIPPED, WARNING, Verdict, run_checks
 from phalanx.diagnose.facts import Facts, gather_facts
 from phalanx.diagnose.links import Expectation, expectation
-from phalanx.util.units import MIB, format_bytes, format_rate, format_seconds
 from phalanx.errors import PhalanxError
 from phalanx.launch.devices import plan_devices
 from phalanx.topology import cpu_count
+from phalanx.util.units import MIB, format_bytes, format_rate, format_seconds
 
 LIVE_CHECK = "live all-reduce"
 JUDGED_FROM_BYTES = 64 * MIB  # below this even a good link shows a fraction of its bandwidth
@@ -85,14 +85,25 @@ def run_doctor(options: DoctorOptions, facts: Facts | None = None) -> DoctorRepo
 def plan_live(facts: Facts, options: DoctorOptions, sizes: list[int] | None) -> LivePlan | Verdict:
     """What the live check runs: every GPU torch sees, or ``--nproc`` CPU processes (default 2)."""
     devices = plan_devices(
-        gpus=None, nproc=options.nproc, cpu=options.cpu, processes_per_node=None,
-        cuda_count=len(facts.cuda_gpus), visible=None, cores=cpu_count(),
+        gpus=None,
+        nproc=options.nproc,
+        cpu=options.cpu,
+        processes_per_node=None,
+        cuda_count=len(facts.cuda_gpus),
+        visible=None,
+        cores=cpu_count(),
     )
     cuda = devices.kind == "cuda"
     if devices.nproc < 2:  # --nproc below 2 was refused already: this is a one-GPU machine
-        return Verdict(LIVE_CHECK, SKIPPED, "one GPU: no all-reduce between GPUs to measure; `phalanx doctor --cpu` measures gloo between CPU processes")
+        return Verdict(
+            LIVE_CHECK,
+            SKIPPED,
+            "one GPU: no all-reduce between GPUs to measure; `phalanx doctor --cpu` measures gloo between CPU processes",
+        )
     iters = options.iters or (allreduce.GPU_ITERS if cuda else allreduce.CPU_ITERS)
-    return LivePlan(cuda, devices.nproc, sizes or allreduce.parse_sizes(allreduce.GPU_SIZES if cuda else allreduce.CPU_SIZES), iters)
+    return LivePlan(
+        cuda, devices.nproc, sizes or allreduce.parse_sizes(allreduce.GPU_SIZES if cuda else allreduce.CPU_SIZES), iters
+    )
 
 
 def run_live(facts: Facts, plan: LivePlan, timeout: float) -> tuple[LiveResult | None, Verdict]:
@@ -100,7 +111,12 @@ def run_live(facts: Facts, plan: LivePlan, timeout: float) -> tuple[LiveResult |
     try:
         results = allreduce.measure(plan.sizes, plan.nproc, cuda=plan.cuda, iters=plan.iters, timeout=timeout)
     except TimeoutError:
-        return None, Verdict(LIVE_CHECK, PROBLEM, f"{plan.describe()}: did not finish within {timeout:g}s, a collective hangs", _live_fix(plan))
+        return None, Verdict(
+            LIVE_CHECK,
+            PROBLEM,
+            f"{plan.describe()}: did not finish within {timeout:g}s, a collective hangs",
+            _live_fix(plan),
+        )
     except Exception as err:  # whatever a rank raised is the finding
         return None, Verdict(LIVE_CHECK, PROBLEM, f"{plan.describe()}: failed: {_last_line(err)}", _live_fix(plan))
     live = LiveResult(plan, expected, results)
@@ -118,11 +134,17 @@ def judge(live: LiveResult) -> Verdict:
     if expected is None:
         return Verdict(LIVE_CHECK, OK, f"{found}; {live.expectation.note}")
     if largest.bytes < JUDGED_FROM_BYTES:
-        return Verdict(LIVE_CHECK, OK, f"{found}; sizes up to {format_bytes(largest.bytes)} are too small to compare with the link's {format_rate(expected)}")
+        return Verdict(
+            LIVE_CHECK,
+            OK,
+            f"{found}; sizes up to {format_bytes(largest.bytes)} are too small to compare with the link's {format_rate(expected)}",
+        )
     share = largest.bus_bandwidth / expected
     if share < TOO_SLOW:
         return Verdict(
-            LIVE_CHECK, WARNING, f"{found}: {share:.0%} of the {format_rate(expected)} the link gives one way",
+            LIVE_CHECK,
+            WARNING,
+            f"{found}: {share:.0%} of the {format_rate(expected)} the link gives one way",
             "see the warnings above (NCCL_P2P_DISABLE, topology, peer-to-peer, other processes); rerun with NCCL_DEBUG=INFO and look for 'via P2P' or 'via SHM' in NCCL's channel lines",
         )
     return Verdict(LIVE_CHECK, OK, f"{found}: {share:.0%} of the {format_rate(expected)} the link gives one way")

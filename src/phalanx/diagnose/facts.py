@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from phalanx.version import __version__
 from phalanx.diagnose.nvidia import DriverView, Gpu, Runner, driver_view, run_tool
 from phalanx.topology import cpu_count, distributed_env
+from phalanx.version import __version__
 
 UNLIMITED = -1  # an rlimit without a ceiling
 
@@ -166,7 +166,10 @@ def open_file_limit() -> tuple[int | None, int | None]:
     except ImportError:  # Windows
         return None, None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return (UNLIMITED if soft == resource.RLIM_INFINITY else soft, UNLIMITED if hard == resource.RLIM_INFINITY else hard)
+    return (
+        UNLIMITED if soft == resource.RLIM_INFINITY else soft,
+        UNLIMITED if hard == resource.RLIM_INFINITY else hard,
+    )
 
 
 def network_interfaces() -> tuple[str, ...]:

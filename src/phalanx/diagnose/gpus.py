@@ -24,7 +24,14 @@ def used_gpus(facts: Facts) -> list[Gpu]:
         return list(facts.driver.gpus)
     picked = []
     for token in tokens:
-        gpu = next((g for g in facts.driver.gpus if (str(g.index) == token if token.isdigit() else (g.uuid or "").startswith(token))), None)
+        gpu = next(
+            (
+                g
+                for g in facts.driver.gpus
+                if (str(g.index) == token if token.isdigit() else (g.uuid or "").startswith(token))
+            ),
+            None,
+        )
         if gpu is None:
             break  # CUDA ignores everything from the first entry it cannot resolve
         picked.append(gpu)
@@ -82,7 +89,9 @@ def describe_gpus(gpus: Iterable[Gpu]) -> str:
     return ", ".join(f"{n} x {name}" + (f" ({memory})" if memory else "") for (name, memory), n in counts.items())
 
 
-def pair_names(pairs: Iterable[tuple[int, int]], codes: dict[tuple[int, int], str] | None = None, limit: int = 4) -> str:
+def pair_names(
+    pairs: Iterable[tuple[int, int]], codes: dict[tuple[int, int], str] | None = None, limit: int = 4
+) -> str:
     pairs = list(pairs)
     shown = [f"{i}-{j}" + (f" ({codes[(i, j)]})" if codes else "") for i, j in pairs[:limit]]
     more = f" and {len(pairs) - limit} more" if len(pairs) > limit else ""

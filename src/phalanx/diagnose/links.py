@@ -28,7 +28,8 @@ class Expectation:
 def expectation(facts: Facts, nproc: int, cpu: bool) -> Expectation:
     if cpu:
         return Expectation(
-            "loopback TCP between CPU processes (gloo)", None,
+            "loopback TCP between CPU processes (gloo)",
+            None,
             "no expectation: on CPU this measures memory copies and the kernel's TCP stack, not a device link",
         )
     links = g.used_links(facts)
@@ -40,7 +41,9 @@ def expectation(facts: Facts, nproc: int, cpu: bool) -> Expectation:
         return _nvlink(facts, min(int(code[2:]) for code in pairs.values()))
     if kinds <= {"pcie", "sockets", "nvlink"}:
         return _pcie(facts, nproc, "sockets" in kinds)
-    return Expectation("unknown link", None, f"no expectation: unrecognised link codes {', '.join(sorted(set(pairs.values())))}")
+    return Expectation(
+        "unknown link", None, f"no expectation: unrecognised link codes {', '.join(sorted(set(pairs.values())))}"
+    )
 
 
 def _nvlink(facts: Facts, links: int) -> Expectation:
@@ -49,7 +52,8 @@ def _nvlink(facts: Facts, links: int) -> Expectation:
     per_link = NVLINK5_PER_LINK if major >= 10 else NVLINK_PER_LINK
     peak = links * per_link
     return Expectation(
-        f"NVLink, {links} link{'s' if links != 1 else ''} per pair (NV{links})", peak,
+        f"NVLink, {links} link{'s' if links != 1 else ''} per pair (NV{links})",
+        peak,
         f"bus bandwidth approaches {format_rate(peak)} ({links} x {format_rate(per_link)} one way) at the largest sizes",
     )
 
@@ -60,10 +64,13 @@ def _pcie(facts: Facts, nproc: int, sockets: bool) -> Expectation:
     widths = [gpu.pcie_width for gpu in used if gpu.pcie_width]
     across = " across CPU sockets" if sockets else ""
     if not gens or not widths or min(gens) not in PCIE_PER_LANE:
-        return Expectation(f"PCIe{across}", None, "no expectation: nvidia-smi does not report the PCIe generation and width")
+        return Expectation(
+            f"PCIe{across}", None, "no expectation: nvidia-smi does not report the PCIe generation and width"
+        )
     gen, width = min(gens), min(widths)
     peak = PCIE_PER_LANE[gen] * width
     return Expectation(
-        f"PCIe Gen{gen} x{width}{across}", peak,
+        f"PCIe Gen{gen} x{width}{across}",
+        peak,
         f"bus bandwidth reaches 60-80% of {format_rate(peak)} one way at the largest sizes{', less across sockets' if sockets else ''}",
     )

@@ -96,7 +96,9 @@ def driver_view(run: Runner = run_tool, installed: bool | None = None) -> Driver
     processes, how = gpu_processes(run)
     if processes is None:
         notes["gpu processes"] = how
-    return DriverView(True, True, tuple(gpus), driver, driver_cuda, links, processes, how if processes is not None else "", notes)
+    return DriverView(
+        True, True, tuple(gpus), driver, driver_cuda, links, processes, how if processes is not None else "", notes
+    )
 
 
 def gpu_processes(run: Runner = run_tool) -> tuple[tuple[GpuProcess, ...] | None, str]:
@@ -109,7 +111,11 @@ def gpu_processes(run: Runner = run_tool) -> tuple[tuple[GpuProcess, ...] | None
     except ToolError:
         pass  # nvidia-smi may still answer
     try:
-        return tuple(parse_compute_apps(run(["nvidia-smi", f"--query-compute-apps={QUERY_APPS}", "--format=csv,noheader,nounits"]))), "nvidia-smi"
+        return tuple(
+            parse_compute_apps(
+                run(["nvidia-smi", f"--query-compute-apps={QUERY_APPS}", "--format=csv,noheader,nounits"])
+            )
+        ), "nvidia-smi"
     except ToolError as err:
         return None, str(err)
 

@@ -37,7 +37,9 @@ def env_report(facts: Facts, config: Config | None, config_error: str | None = N
             "driver": driver.driver,
             "driver_cuda": driver.driver_cuda,
             "visible_to_torch": len(facts.cuda_gpus),
-            "devices": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes, "uuid": g.uuid} for g in gpus],
+            "devices": [
+                {"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes, "uuid": g.uuid} for g in gpus
+            ],
             "note": None if gpus else _no_gpus(facts),
         },
         "config": _config(config, config_error),
@@ -51,7 +53,11 @@ def _limit(value: int | None) -> int | str | None:
 
 def _no_gpus(facts: Facts) -> str:
     why = facts.driver.notes.get("nvidia-smi", "nvidia-smi gave no answer")
-    build = "torch is a CPU build" if facts.torch_cuda is None else f"torch sees no CUDA device{f': {facts.cuda_error}' if facts.cuda_error else ''}"
+    build = (
+        "torch is a CPU build"
+        if facts.torch_cuda is None
+        else f"torch sees no CUDA device{f': {facts.cuda_error}' if facts.cuda_error else ''}"
+    )
     return f"{why}; {build}"
 
 
@@ -71,22 +77,41 @@ def env_text(report: dict[str, Any]) -> str:
         ("torch", f"{torch_['version']} (CUDA {torch_['cuda']}, NCCL {torch_['nccl']})"),
         ("OS", report["os"]),
         ("CPUs", f"{report['cpus']['usable']} usable of {report['cpus']['total']}"),
-        ("RAM", f"{format_bytes(report['ram']['total_bytes'])} ({format_bytes(report['ram']['available_bytes'])} available)"),
-        ("/dev/shm", "none" if report["shm"]["total_bytes"] is None else f"{format_bytes(report['shm']['total_bytes'])} ({format_bytes(report['shm']['free_bytes'])} free)"),
-        ("open files", f"{report['open_files']['soft'] or 'unknown'} (hard limit {report['open_files']['hard'] or 'unknown'})"),
+        (
+            "RAM",
+            f"{format_bytes(report['ram']['total_bytes'])} ({format_bytes(report['ram']['available_bytes'])} available)",
+        ),
+        (
+            "/dev/shm",
+            "none"
+            if report["shm"]["total_bytes"] is None
+            else f"{format_bytes(report['shm']['total_bytes'])} ({format_bytes(report['shm']['free_bytes'])} free)",
+        ),
+        (
+            "open files",
+            f"{report['open_files']['soft'] or 'unknown'} (hard limit {report['open_files']['hard'] or 'unknown'})",
+        ),
         ("GPUs", _gpu_line(gpus)),
     ]
     width = max(len(name) for name, _ in lines) + 2
     text = ["phalanx env: copy everything below into a bug report", ""]
     text += [f"{name:<{width}}{value}" for name, value in lines]
-    text += [f"{'':<{width}}GPU {d['index']}: {d['name']}, {format_bytes(d['memory_bytes'])}" + (f", {d['uuid']}" if d["uuid"] else "") for d in gpus["devices"]]
+    text += [
+        f"{'':<{width}}GPU {d['index']}: {d['name']}, {format_bytes(d['memory_bytes'])}"
+        + (f", {d['uuid']}" if d["uuid"] else "")
+        for d in gpus["devices"]
+    ]
     text += ["", "config (source shown where it is not the default)"]
     config = report["config"]
     if "error" in config:
         text.append(f"  cannot be resolved: {config['error']}")
     else:
         key_width = max(len(key) for key in config) + 2
-        text += [f"  {key:<{key_width}}{scalar(item['value'])}" + ("" if item["source"] == "default" else f"  [{item['source']}]") for key, item in config.items()]
+        text += [
+            f"  {key:<{key_width}}{scalar(item['value'])}"
+            + ("" if item["source"] == "default" else f"  [{item['source']}]")
+            for key, item in config.items()
+        ]
     text += ["", "distributed environment variables"]
     text += [f"  {name}={value}" for name, value in report["environment"].items()] or ["  (none set)"]
     return "\n".join(text)
@@ -120,7 +145,12 @@ def _live_json(live: LiveResult) -> dict[str, Any]:
         "expectation": live.expectation.note,
         "latency_seconds": live.latency,
         "results": [
-            {"bytes": r.bytes, "seconds": r.seconds, "algorithm_bandwidth": r.algorithm_bandwidth, "bus_bandwidth": r.bus_bandwidth}
+            {
+                "bytes": r.bytes,
+                "seconds": r.seconds,
+                "algorithm_bandwidth": r.algorithm_bandwidth,
+                "bus_bandwidth": r.bus_bandwidth,
+            }
             for r in live.results
         ],
     }
@@ -150,7 +180,12 @@ def live_table(live: LiveResult) -> Group:
     for name in ("size", "time", "algorithm bandwidth", "bus bandwidth"):
         table.add_column(name, justify="right")
     for r in live.results:
-        table.add_row(format_bytes(r.bytes), format_seconds(r.seconds), format_rate(r.algorithm_bandwidth), format_rate(r.bus_bandwidth))
+        table.add_row(
+            format_bytes(r.bytes),
+            format_seconds(r.seconds),
+            format_rate(r.algorithm_bandwidth),
+            format_rate(r.bus_bandwidth),
+        )
     n = live.plan.nproc
     notes = Text(
         f"{live.plan.iters} timed iterations per size after {warmup_for(live.plan.iters)} warm-up; time = mean per all-reduce on the slowest rank\n"

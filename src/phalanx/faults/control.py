@@ -41,7 +41,9 @@ class StepAgreement:
             return False, False
         last_step, last_time = self._since
         per_step = (now - last_time) / max(step - last_step, 1)
-        flags = torch.tensor([float(stop_requested), float(save_due), per_step], dtype=torch.float64, device=self.comm_device)
+        flags = torch.tensor(
+            [float(stop_requested), float(save_due), per_step], dtype=torch.float64, device=self.comm_device
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, save, slowest = bool(flags[0].item()), bool(flags[1].item()), float(flags[2].item())
         self._next_check = step + max(1, min(_MAX_INTERVAL, int(_CHECK_EVERY_S / max(slowest, 1e-6))))

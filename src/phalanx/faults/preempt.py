@@ -76,7 +76,11 @@ class TermWatch:
             # Another rank failed and the launcher is stopping the job: go now, as without a handler.
             os._exit(TERMINATED_EXIT)
         self.requested = True
-        print(f"phalanx: rank {self.rank}: SIGTERM: checkpointing at the end of this step (grace {self.grace:g} s)", file=sys.stderr, flush=True)
+        print(
+            f"phalanx: rank {self.rank}: SIGTERM: checkpointing at the end of this step (grace {self.grace:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         deadline = threading.Timer(self.grace, self._too_late)
         deadline.daemon = True
         deadline.start()
@@ -92,5 +96,9 @@ class TermWatch:
         return self.request.exists()
 
     def _too_late(self) -> None:
-        print(f"phalanx: rank {self.rank}: no checkpoint within faults.preempt_grace ({self.grace:g} s) of SIGTERM; stopping without one", file=sys.stderr, flush=True)
+        print(
+            f"phalanx: rank {self.rank}: no checkpoint within faults.preempt_grace ({self.grace:g} s) of SIGTERM; stopping without one",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(TERMINATED_EXIT)

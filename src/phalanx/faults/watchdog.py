@@ -30,7 +30,15 @@ _LIBRARY = (os.sep + "torch" + os.sep, os.sep + "phalanx" + os.sep, "threading.p
 
 
 class Watchdog:
-    def __init__(self, timeout: float, rank: int, run_dir: str | None, attempt: int = 0, *, exit: Callable[[int], None] = os._exit):
+    def __init__(
+        self,
+        timeout: float,
+        rank: int,
+        run_dir: str | None,
+        attempt: int = 0,
+        *,
+        exit: Callable[[int], None] = os._exit,
+    ):
         self.timeout = timeout
         self.rank = rank
         # One directory per restart attempt: a restarted job must not see the last attempt's dumps.
@@ -76,7 +84,9 @@ class Watchdog:
             limit = max(self.timeout, IO_TIMEOUT_S) if self._paused else self.timeout
             if idle > limit:
                 during = " while reading or writing a checkpoint" if self._paused else ""
-                self._fire(f"rank {self.rank}: no progress for {idle:.1f} s{during} (faults.hang_timeout is {self.timeout:g} s)")
+                self._fire(
+                    f"rank {self.rank}: no progress for {idle:.1f} s{during} (faults.hang_timeout is {self.timeout:g} s)"
+                )
                 # Give the other ranks a moment to see the marker and dump their stacks before the
                 # launcher, seeing this process gone, stops them.
                 time.sleep(min(2.0, 4 * poll) if self.dump_dir is not None else 0)
@@ -92,7 +102,7 @@ class Watchdog:
         return None
 
     def _fire(self, headline: str) -> None:
-        frame = sys._current_frames().get(self._main)
+        frame = sys._current_frames().get(self._main)  # noqa: SLF001 - the only way to read another thread's frame
         where = describe_wait(frame) if frame is not None else "unknown (main thread not found)"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         text = f"phalanx: hang: {headline}; waiting in {where}\nstack of rank {self.rank} (most recent call last):\n{stack}"
@@ -110,7 +120,9 @@ def describe_wait(frame: FrameType) -> str:
     """Where the main thread waits: the collective it is in, else the innermost line of user code."""
     frames = traceback.extract_stack(frame)
     for entry in reversed(frames):
-        if entry.filename.endswith(os.path.join("distributed", "distributed_c10d.py")) and not entry.name.startswith("_"):
+        if entry.filename.endswith(os.path.join("distributed", "distributed_c10d.py")) and not entry.name.startswith(
+            "_"
+        ):
             return f"collective {entry.name} ({_user_line(frames)})"
     for entry in reversed(frames):
         if os.sep + "autograd" + os.sep in entry.filename:

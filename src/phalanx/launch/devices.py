@@ -50,7 +50,9 @@ def plan_devices(
         raise PhalanxError(f"--nproc must be at least 1, got {nproc}")
     if cpu or cuda_count == 0:
         if gpus is not None and not cpu:
-            raise PhalanxError(f"--gpus {gpus}: no CUDA device is visible here (torch.cuda.device_count() is 0); drop --gpus to run CPU processes, or add --cpu")
+            raise PhalanxError(
+                f"--gpus {gpus}: no CUDA device is visible here (torch.cuda.device_count() is 0); drop --gpus to run CPU processes, or add --cpu"
+            )
         n = nproc or processes_per_node or CPU_DEFAULT_NPROC
         return DevicePlan("cpu", n, None, max(1, cores // n))
 
@@ -63,7 +65,9 @@ def plan_devices(
     names = [visible[i] for i in ids] if visible else [str(i) for i in ids]
     n = nproc or processes_per_node or len(ids)
     if processes_per_node is None and n > len(ids):
-        raise PhalanxError(f"--nproc {n} needs {n} GPUs but {len(ids)} {'are' if len(ids) != 1 else 'is'} selected; one process per GPU")
+        raise PhalanxError(
+            f"--nproc {n} needs {n} GPUs but {len(ids)} {'are' if len(ids) != 1 else 'is'} selected; one process per GPU"
+        )
     if processes_per_node is None and n < len(ids):
         names = names[:n]
     return DevicePlan("cuda", n, ",".join(names), max(1, cores // n))

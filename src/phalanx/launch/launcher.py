@@ -128,7 +128,9 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     if config.train.profile is not None:
         ProfileWindow.parse(config.train.profile)
     if config.batch.global_batch_size is not None:
-        plan_batch(strategy_cls.data_parallel_size_for(world), config.batch.global_batch_size, config.batch.micro_batch_size)
+        plan_batch(
+            strategy_cls.data_parallel_size_for(world), config.batch.global_batch_size, config.batch.micro_batch_size
+        )
     # Absolute, so a script that changes directory still writes into its run directory.
     run_dir = new_run_dir(Path(launch.run_dir).resolve(), request.name or Path(request.script).stem)
     context = LaunchContext(
@@ -250,7 +252,11 @@ def _preemption_handler(run_dir: Path, grace: float) -> Iterator[None]:
         if marker.exists():
             return  # a second SIGTERM: the workers already have their orders
         marker.write_text(f"{time.time()}\n", encoding="utf-8")
-        print(f"phalanx: SIGTERM: every rank checkpoints at the end of its step and stops (faults.preempt_grace {grace:g} s)", file=sys.stderr, flush=True)
+        print(
+            f"phalanx: SIGTERM: every rank checkpoints at the end of its step and stops (faults.preempt_grace {grace:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SignalException(f"Process {os.getpid()} got signal: SIGTERM", sigval=signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, handler)

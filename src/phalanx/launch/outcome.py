@@ -24,14 +24,20 @@ def report_failure(run_dir: Path, failure) -> int:
     exit_code = first.exitcode if first.exitcode and first.exitcode > 0 else 1
     for prefix in ("PhalanxError: ", "ConfigError: "):
         if message.startswith(prefix):
-            _err(f"phalanx: error: {message[len(prefix):]}")
+            _err(f"phalanx: error: {message[len(prefix) :]}")
             return exit_code
     failed = sorted(failure.failures)
     how = f"exit code {first.exitcode}" if first.exitcode >= 0 else f"signal {-first.exitcode}"
-    summary = message.splitlines()[-1] if message and not message.startswith("To enable traceback") else "no exception recorded"
+    summary = (
+        message.splitlines()[-1]
+        if message and not message.startswith("To enable traceback")
+        else "no exception recorded"
+    )
     _err(f"phalanx: rank {rank} failed first ({how}): {summary}")
     if len(failed) > 1:
-        _err(f"phalanx: ranks that exited with an error (the others may have failed because rank {rank} did): {', '.join(map(str, failed))}")
+        _err(
+            f"phalanx: ranks that exited with an error (the others may have failed because rank {rank} did): {', '.join(map(str, failed))}"
+        )
     log = _latest_log(run_dir, rank)
     tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:] if log.is_file() else []
     if not tail:
@@ -48,7 +54,9 @@ def report_hang(run_dir: Path) -> int:
     attempts = sorted((run_dir / markers.HANG_DIR).glob("attempt*"), key=lambda p: int(p.name[7:] or 0))
     hang_dir = attempts[-1] if attempts else run_dir / markers.HANG_DIR
     dumps = sorted(hang_dir.glob("rank*.txt"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
-    _err(f"phalanx: hang: the watchdog stopped the job (faults.hang_timeout); where each rank was ({len(dumps)} dumped):")
+    _err(
+        f"phalanx: hang: the watchdog stopped the job (faults.hang_timeout); where each rank was ({len(dumps)} dumped):"
+    )
     for dump in dumps:
         lines = dump.read_text(encoding="utf-8", errors="replace").splitlines()
         _err(f"  {lines[0].removeprefix('phalanx: hang: ') if lines else dump.stem}")
@@ -63,9 +71,13 @@ def report_preemption(run_dir: Path) -> int:
     record = run_dir / markers.PREEMPTED
     if record.is_file():
         saved = json.loads(record.read_text(encoding="utf-8"))
-        _err(f"phalanx: pre-empted: checkpoint {saved['checkpoint']} (step {saved['step']}); run the same command again to resume")
+        _err(
+            f"phalanx: pre-empted: checkpoint {saved['checkpoint']} (step {saved['step']}); run the same command again to resume"
+        )
         return markers.PREEMPTED_EXIT
-    _err(f"phalanx: stopped by SIGTERM before a checkpoint was written (no rank reached the end of a training step in time); logs in {run_dir / 'logs'}")
+    _err(
+        f"phalanx: stopped by SIGTERM before a checkpoint was written (no rank reached the end of a training step in time); logs in {run_dir / 'logs'}"
+    )
     return markers.TERMINATED_EXIT
 
 

@@ -80,4 +80,3 @@ def route_output(log_file: Path, *, show: bool, prefix: str) -> None:
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)
-

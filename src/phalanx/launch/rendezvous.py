@@ -61,24 +61,45 @@ def plan_rendezvous(
     if master:
         host, port = _endpoint(master, "--master")
         if node_rank is None:
-            raise PhalanxError(f"--master needs --node-rank: this machine's index, 0..{nnodes - 1} (node 0 runs on {host})")
+            raise PhalanxError(
+                f"--master needs --node-rank: this machine's index, 0..{nnodes - 1} (node 0 runs on {host})"
+            )
         _check_node_rank(node_rank, nnodes)
         return Rendezvous(
-            "static", f"{host}:{port}", nnodes, node_rank, run_id=job, configs={"rank": node_rank}, local_addr=_local_addr(host), source="--master"
+            "static",
+            f"{host}:{port}",
+            nnodes,
+            node_rank,
+            run_id=job,
+            configs={"rank": node_rank},
+            local_addr=_local_addr(host),
+            source="--master",
         )
     if rdzv_endpoint:
         host, port = _endpoint(rdzv_endpoint, "--rdzv-endpoint")
         if node_rank is not None:
-            raise PhalanxError("--rdzv-endpoint assigns node ranks itself; drop --node-rank, or use --master HOST:PORT --node-rank I")
-        return Rendezvous("c10d", f"{host}:{port}", nnodes, None, run_id=job, local_addr=_local_addr(host), source="--rdzv-endpoint")
+            raise PhalanxError(
+                "--rdzv-endpoint assigns node ranks itself; drop --node-rank, or use --master HOST:PORT --node-rank I"
+            )
+        return Rendezvous(
+            "c10d", f"{host}:{port}", nnodes, None, run_id=job, local_addr=_local_addr(host), source="--rdzv-endpoint"
+        )
     if slurm is not None and slurm.nnodes > 1 and nnodes in (1, slurm.nnodes):
         host = first_host(slurm.nodelist)
         return Rendezvous(
-            "static", f"{host}:{DEFAULT_PORT}", slurm.nnodes, slurm.node_id, run_id=job, configs={"rank": slurm.node_id}, local_addr=None,
+            "static",
+            f"{host}:{DEFAULT_PORT}",
+            slurm.nnodes,
+            slurm.node_id,
+            run_id=job,
+            configs={"rank": slurm.node_id},
+            local_addr=None,
             source=f"SLURM job {slurm.job_id}",
         )
     if nnodes > 1:
-        raise PhalanxError(f"--nnodes {nnodes} needs to know where node 0 is: add --master HOST:PORT --node-rank I, or --rdzv-endpoint HOST:PORT")
+        raise PhalanxError(
+            f"--nnodes {nnodes} needs to know where node 0 is: add --master HOST:PORT --node-rank I, or --rdzv-endpoint HOST:PORT"
+        )
     if node_rank not in (None, 0):
         raise PhalanxError(f"--node-rank {node_rank} with a single node; set --nnodes and --master too")
     # Port 0: the store picks a free port itself, so two jobs on one machine never collide.
@@ -107,7 +128,9 @@ def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
     head = re.match(r"([^,\[]*)(\[([^\]]*)\])?([^,]*)", nodelist.strip())
     if not head or not (head.group(1) or head.group(3)):
-        raise PhalanxError(f"cannot read SLURM_JOB_NODELIST '{nodelist}'; pass --master HOST:PORT --node-rank I instead")
+        raise PhalanxError(
+            f"cannot read SLURM_JOB_NODELIST '{nodelist}'; pass --master HOST:PORT --node-rank I instead"
+        )
     prefix, ranges, suffix = head.group(1), head.group(3), head.group(4)
     if ranges is None:
         return prefix + suffix

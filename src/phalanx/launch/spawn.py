@@ -52,7 +52,9 @@ def spawn(
         return [torch.load(Path(tmp) / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 
-def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int, out_dir: str, cpu: bool) -> None:
+def _entry(
+    local_rank: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int, out_dir: str, cpu: bool
+) -> None:
     os.environ.update(
         {
             "RANK": str(local_rank),

@@ -117,7 +117,7 @@ def _exit(code: int) -> None:
     aborts a worker that had finished cleanly ("terminate called without an active exception")."""
     import atexit
 
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # noqa: SLF001 - os._exit skips atexit; these handlers flush logs
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             stream.flush()

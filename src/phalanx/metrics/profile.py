@@ -28,7 +28,9 @@ class ProfileWindow:
     def parse(cls, spec: str) -> "ProfileWindow":
         match = _SPEC.match(str(spec))
         if not match:
-            raise ConfigError(f"profile '{spec}' is not of the form steps=A:B; e.g. steps=5:8 traces optimizer steps 5, 6 and 7")
+            raise ConfigError(
+                f"profile '{spec}' is not of the form steps=A:B; e.g. steps=5:8 traces optimizer steps 5, 6 and 7"
+            )
         start, stop = int(match.group(1)), int(match.group(2))
         if start < 1 or stop <= start:
             raise ConfigError(
@@ -92,7 +94,10 @@ class StepProfiler:
         if self._profiler is not None:
             self.finish()
         elif not self._done:
-            print(f"phalanx: no profile on rank {self.rank}: the run ended after step {last_step}, before {self.window.describe()}", flush=True)
+            print(
+                f"phalanx: no profile on rank {self.rank}: the run ended after step {last_step}, before {self.window.describe()}",
+                flush=True,
+            )
         self._done = True
 
     def finish(self) -> None:
@@ -102,7 +107,10 @@ class StepProfiler:
         self._profiler.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._profiler.export_chrome_trace(str(self.path))
-        print(f"phalanx: profile of {self.window.describe()} on rank {self.rank}: {self.path} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
+        print(
+            f"phalanx: profile of {self.window.describe()} on rank {self.rank}: {self.path} (open it in https://ui.perfetto.dev or chrome://tracing)",
+            flush=True,
+        )
         print(top_operators(self._profiler.key_averages(), on_device=self.device.type == "cuda"), flush=True)
         self._profiler = None
 
@@ -113,7 +121,10 @@ def top_operators(averages, *, on_device: bool, limit: int = _TOP) -> str:
     events = sorted(averages, key=lambda e: getattr(e, attr), reverse=True)[:limit]
     total = sum(getattr(e, attr) for e in averages) or 1.0
     where = "GPU" if on_device else "CPU"
-    lines = [f"phalanx: top {len(events)} operators by self {where} time", f"  {'self time':>11}  {'share':>6}  {'calls':>6}  operator"]
+    lines = [
+        f"phalanx: top {len(events)} operators by self {where} time",
+        f"  {'self time':>11}  {'share':>6}  {'calls':>6}  operator",
+    ]
     for event in events:
         micros = getattr(event, attr)
         lines.append(f"  {micros / 1e3:>8.2f} ms  {100 * micros / total:>5.1f}%  {event.count:>6}  {event.key}")

@@ -96,7 +96,9 @@ class StepRecorder:
         self._watching = True
         count_on_first_forward(model, local, self._set_flops)
 
-    def record(self, stepped: bool, step: int, epoch: int, samples: int | None, loss: torch.Tensor | None, lr: Any) -> None:
+    def record(
+        self, stepped: bool, step: int, epoch: int, samples: int | None, loss: torch.Tensor | None, lr: Any
+    ) -> None:
         """At the end of every optimizer step. One the fp16 GradScaler skipped (``stepped`` False)
         makes no record; its time and data wait count in the next one."""
         now = time.perf_counter()
@@ -196,7 +198,9 @@ def create_recorder(config: Config, topology: Topology, run_dir: str | None, *, 
     window = ProfileWindow.parse(train.profile) if train.profile else None  # every rank refuses a bad spec
     absent = [r for r in train.profile_ranks if r >= topology.world_size]
     if window is not None and absent:
-        raise ConfigError(f"train.profile_ranks names rank {absent[0]}, but this run has ranks 0-{topology.world_size - 1}")
+        raise ConfigError(
+            f"train.profile_ranks names rank {absent[0]}, but this run has ranks 0-{topology.world_size - 1}"
+        )
     profiler = None
     if window is not None and topology.rank in train.profile_ranks:
         profiler = StepProfiler(window, topology.rank, topology.device, (root or Path.cwd()) / "profile")
@@ -205,7 +209,9 @@ def create_recorder(config: Config, topology: Topology, run_dir: str | None, *, 
         board = Board.open(root / "tensorboard")
     peak = None
     if train.metrics and topology.is_main and topology.device.type == "cuda" and local_forward:
-        peak = peak_flops_per_s(torch.cuda.get_device_name(topology.device), config.precision.mode, config.precision.tf32)
+        peak = peak_flops_per_s(
+            torch.cuda.get_device_name(topology.device), config.precision.mode, config.precision.tf32
+        )
     return StepRecorder(
         topology,
         enabled=train.metrics,

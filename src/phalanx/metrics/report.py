@@ -42,7 +42,9 @@ def report_run(run_dir: Path) -> dict[str, Any] | None:
 
 def headline(summary: dict[str, Any]) -> str:
     left_out = summary["warmup_steps_left_out"]
-    return f"phalanx: {summary['steps']} steps on {summary['world_size']} rank(s)" + (f"; the first {left_out} are left out as warm-up" if left_out else "")
+    return f"phalanx: {summary['steps']} steps on {summary['world_size']} rank(s)" + (
+        f"; the first {left_out} are left out as warm-up" if left_out else ""
+    )
 
 
 def summary_table(summary: dict[str, Any]) -> Table:
@@ -67,7 +69,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
             f"{100 * r['data_wait_share']:.0f}%",
             _losses(r) if r["loss_first"] is not None else "-",
         ]
-        cells += [_gib(r["peak_mem_bytes"])] * memory + [f"{100 * r['mfu']:.0f}%" if r["mfu"] is not None else "-"] * mfu
+        cells += [_gib(r["peak_mem_bytes"])] * memory + [
+            f"{100 * r['mfu']:.0f}%" if r["mfu"] is not None else "-"
+        ] * mfu
         table.add_row(*cells, style="bold red" if r["rank"] == straggler else None)
     return table
 
@@ -78,7 +82,9 @@ def verdict(summary: dict[str, Any]) -> list[str]:
         return []
     found = summary["straggler"]
     if found is None:
-        return [f"phalanx: no straggler: no rank's own work was over {SLOW_FACTOR - 1:.0%} above the others' in {SLOW_SHARE:.0%} of the steps"]
+        return [
+            f"phalanx: no straggler: no rank's own work was over {SLOW_FACTOR - 1:.0%} above the others' in {SLOW_SHARE:.0%} of the steps"
+        ]
     rows = {r["rank"]: r for r in summary["ranks"]}
     mine = rows[found["rank"]]
     others = sorted(r["data_wait_p50"] for rank, r in rows.items() if rank != found["rank"])

@@ -47,6 +47,8 @@ def find_straggler(work: dict[int, dict[int, float]]) -> Straggler | None:
             excess.append(mine[step] - others)
             slow += mine[step] > SLOW_FACTOR * others and mine[step] - others >= MIN_EXCESS_S
         candidate = Straggler(rank, slow / len(common), median(excess), len(common))
-        if candidate.slow_share >= SLOW_SHARE and (found is None or (candidate.slow_share, candidate.excess_s) > (found.slow_share, found.excess_s)):
+        if candidate.slow_share >= SLOW_SHARE and (
+            found is None or (candidate.slow_share, candidate.excess_s) > (found.slow_share, found.excess_s)
+        ):
             found = candidate
     return found

@@ -42,7 +42,9 @@ def load_factory(path: str) -> Callable[..., nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise PhalanxError(f"--model {path}: cannot import '{module_name}' ({err}); check the name and that it is on PYTHONPATH") from None
+        raise PhalanxError(
+            f"--model {path}: cannot import '{module_name}' ({err}); check the name and that it is on PYTHONPATH"
+        ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise PhalanxError(f"--model {path}: '{module_name}' has no callable '{attr}'")
@@ -81,7 +83,9 @@ def measure_activations(
             for batch in (2, 4):
                 model = build(factory, kwargs, device)
                 apply_activation_checkpointing(model, list(checkpoint_classes), setting="--checkpoint")
-                sizes[batch] = _saved_bytes(model, _example_input(input_shape, input_dtype, batch, device), precision, device)
+                sizes[batch] = _saved_bytes(
+                    model, _example_input(input_shape, input_dtype, batch, device), precision, device
+                )
             per_sample = max(0.0, (sizes[4] - sizes[2]) / 2)
             fixed = max(0.0, sizes[2] - 2 * per_sample)
             copies = 2.0 * count_parameters(model) if _AUTOCAST[precision] is not None else 0.0
@@ -94,7 +98,9 @@ def measure_activations(
             raise
         except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as err:
             last = err
-    raise PhalanxError(f"one micro-batch of shape {input_shape} does not run through the model: {type(last).__name__}: {str(last).splitlines()[0]}")
+    raise PhalanxError(
+        f"one micro-batch of shape {input_shape} does not run through the model: {type(last).__name__}: {str(last).splitlines()[0]}"
+    )
 
 
 def _example_input(shape: tuple[int, ...], dtype: torch.dtype, batch: int, device: str) -> torch.Tensor:

@@ -86,7 +86,13 @@ def make_plan(
             continue
         for strategy in strategies:
             state = model_state(
-                strategy, n_params, devices, optimizer=optimizer, accounting=accounting, trainable=trainable, compute_bytes=compute_bytes
+                strategy,
+                n_params,
+                devices,
+                optimizer=optimizer,
+                accounting=accounting,
+                trainable=trainable,
+                compute_bytes=compute_bytes,
             )
             cls = VARIANTS[strategy].strategy
             # A strategy that casts parameters itself holds no autocast copies of the weights.

@@ -16,6 +16,7 @@ from phalanx.errors import ConfigError
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.tree import map_tensors
 
+
 class Compute:
     def __init__(self, config: ComputeConfig):
         self.config = config
@@ -75,7 +76,9 @@ class Compute:
         return wrapped
 
     # -- optimizers -----------------------------------------------------------------------
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer, wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    def setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
         """The user's optimizer with the configured implementation, then wrapped by the strategy.
 
         It is rebuilt on the same group dicts, as the sharding strategies rebuild theirs, so an LR

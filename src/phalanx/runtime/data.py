@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from phalanx._torch_compat import sampler_has_custom_num_samples
 from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
-from phalanx.topology import cpu_count
 from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
+from phalanx.topology import cpu_count
 from phalanx.util.tree import map_tensors
 
 # `data.num_workers: auto` never goes above this: each worker holds its own copy of the dataset
@@ -36,7 +36,17 @@ class ShardedSampler(Sampler[int]):
     ``Session.gather_for_metrics``).
     """
 
-    def __init__(self, dataset_len: int, rank: int, world_size: int, *, shuffle: bool, seed: int, multiple_of: int, drop_last: bool = False):
+    def __init__(
+        self,
+        dataset_len: int,
+        rank: int,
+        world_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        multiple_of: int,
+        drop_last: bool = False,
+    ):
         if dataset_len == 0:
             raise PhalanxError("the dataset is empty; nothing to train or evaluate on")
         self.dataset_len = dataset_len
@@ -217,12 +227,23 @@ def shard_loader(
     if isinstance(loader.dataset, IterableDataset):
         # An iterable dataset decides its own order, and its workers split the stream between
         # them: it is used as built (another worker count would change the data).
-        return DeviceLoader(loader, None, device, train=train, non_blocking=loader.pin_memory, prefetch_to_device=options.prefetch_to_device)
+        return DeviceLoader(
+            loader,
+            None,
+            device,
+            train=train,
+            non_blocking=loader.pin_memory,
+            prefetch_to_device=options.prefetch_to_device,
+        )
     if loader.batch_size is None:
-        raise PhalanxError("phalanx shards DataLoaders built with batch_size=...; a custom batch_sampler cannot be split over processes")
+        raise PhalanxError(
+            "phalanx shards DataLoaders built with batch_size=...; a custom batch_sampler cannot be split over processes"
+        )
     shuffle = _shuffles(loader)
     drop_last = train and (options.drop_last or loader.drop_last)
-    sampler = ShardedSampler(len(loader.dataset), rank, world_size, shuffle=shuffle, seed=seed, multiple_of=multiple_of, drop_last=drop_last)
+    sampler = ShardedSampler(
+        len(loader.dataset), rank, world_size, shuffle=shuffle, seed=seed, multiple_of=multiple_of, drop_last=drop_last
+    )
     if options.num_workers == "auto":
         workers = auto_workers(cpu_count(), procs_per_node)
     else:
@@ -250,7 +271,9 @@ def shard_loader(
         generator=loader.generator,
         **extra,
     )
-    return DeviceLoader(rebuilt, sampler, device, train=train, non_blocking=pin, prefetch_to_device=options.prefetch_to_device)
+    return DeviceLoader(
+        rebuilt, sampler, device, train=train, non_blocking=pin, prefetch_to_device=options.prefetch_to_device
+    )
 
 
 def auto_workers(cpus: int, procs_per_node: int) -> int:
@@ -292,4 +315,6 @@ def _batch_len(batch: Any) -> int:
     for value in values:
         if isinstance(value, (list, tuple)):
             return len(value)
-    raise PhalanxError(f"cannot tell the batch size of a {type(batch).__name__} batch; batches should hold tensors or lists with one entry per sample")
+    raise PhalanxError(
+        f"cannot tell the batch size of a {type(batch).__name__} batch; batches should hold tensors or lists with one entry per sample"
+    )

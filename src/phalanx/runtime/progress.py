@@ -102,13 +102,21 @@ def track(
             now = time.perf_counter()
             if now - last >= _REFRESH_S:
                 last = now
-                bar.update(task, completed=_count(meter, samples_per_batch), status=_status(loss(), meter.per_second, meter.data_share))
+                bar.update(
+                    task,
+                    completed=_count(meter, samples_per_batch),
+                    status=_status(loss(), meter.per_second, meter.data_share),
+                )
         meter.stop()
         status = _status(loss(), meter.per_second, meter.data_share)
         bar.update(task, completed=_count(meter, samples_per_batch), status=status)
     if console.file is not stream:
         done = _count(meter, samples_per_batch)
-        print(f"{description}: {done}{f'/{total}' if total is not None else ''} batches in {meter.seconds:.1f}s, {status}", file=stream.log, flush=True)
+        print(
+            f"{description}: {done}{f'/{total}' if total is not None else ''} batches in {meter.seconds:.1f}s, {status}",
+            file=stream.log,
+            flush=True,
+        )
 
 
 def _timed(batches: Iterable[Any], meter: Throughput) -> Iterator[Any]:

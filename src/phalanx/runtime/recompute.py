@@ -11,7 +11,9 @@ from torch.utils.checkpoint import checkpoint
 from phalanx.util.modules import submodules_of
 
 
-def apply_activation_checkpointing(model: nn.Module, class_names: list[str], setting: str = "strategy.activation_checkpointing") -> int:
+def apply_activation_checkpointing(
+    model: nn.Module, class_names: list[str], setting: str = "strategy.activation_checkpointing"
+) -> int:
     """Recompute the forward of every submodule whose class name is listed; returns how many.
     ``setting`` names where the list came from, for the error message."""
     if not class_names:

@@ -41,14 +41,26 @@ class Recovery:
         on_loaded: Callable[[], None] = lambda: None,
     ):
         self.config, self.topology, self.run_dir = config, topology, run_dir
-        self.checkpointer, self.state, self.objects, self.say, self.on_loaded = checkpointer, state, objects, say, on_loaded
+        self.checkpointer, self.state, self.objects, self.say, self.on_loaded = (
+            checkpointer,
+            state,
+            objects,
+            say,
+            on_loaded,
+        )
         self.resume_checked = False
         faults = config.faults
         launched = topology.launched
-        self.watchdog = Watchdog(faults.hang_timeout, topology.rank, self.run_dir, topology.restart_count) if launched and faults.hang_timeout > 0 else None
+        self.watchdog = (
+            Watchdog(faults.hang_timeout, topology.rank, self.run_dir, topology.restart_count)
+            if launched and faults.hang_timeout > 0
+            else None
+        )
         self.term = TermWatch(self.run_dir, faults.preempt_grace, topology.rank) if launched else None
         every = config.checkpoint.save_every
-        self.agreement = StepAgreement(topology.world_size, comm_device, parse_period(every) if isinstance(every, str) else None)
+        self.agreement = StepAgreement(
+            topology.world_size, comm_device, parse_period(every) if isinstance(every, str) else None
+        )
 
     @property
     def root(self) -> Path:
@@ -61,7 +73,9 @@ class Recovery:
     # -- saving and loading -------------------------------------------------------------------------
     def save(self) -> Path:
         if self.state.micro:
-            raise PhalanxError("session.save() was called inside an accumulation window; call it after the `with session.accumulate(model):` block")
+            raise PhalanxError(
+                "session.save() was called inside an accumulation window; call it after the `with session.accumulate(model):` block"
+            )
         objects = self.objects()
         if not objects.models:
             raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
@@ -75,7 +89,9 @@ class Recovery:
     def load(self, path: str | Path | None, weights_only: bool) -> Path:
         objects = self.objects()
         if not objects.models:
-            raise PhalanxError("session.load() needs the model set up first: call session.setup(model, optimizer, ...) before it")
+            raise PhalanxError(
+                "session.load() needs the model set up first: call session.setup(model, optimizer, ...) before it"
+            )
         if path is None:
             path = self.latest()
             if path is None:
@@ -120,7 +136,9 @@ class Recovery:
                 path = Path(spec)  # restarted before this launch saved: back to the given checkpoint
             if path is None:
                 if restart:
-                    self.say(f"phalanx: restart {restart}: no checkpoint in '{self.root}' yet; starting from the beginning")
+                    self.say(
+                        f"phalanx: restart {restart}: no checkpoint in '{self.root}' yet; starting from the beginning"
+                    )
                 return
         else:
             path = Path(spec)
@@ -144,7 +162,9 @@ class Recovery:
         if self.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
             checkpoint_files.write_json_atomic(record, {"step": self.state.step, "checkpoint": str(path.resolve())})
         if record is None:  # under phalanx launch, the launcher says it once for the job
-            self.say(f"phalanx: pre-empted: checkpoint {path} written at step {self.state.step}; launch again to resume")
+            self.say(
+                f"phalanx: pre-empted: checkpoint {path} written at step {self.state.step}; launch again to resume"
+            )
         raise SystemExit(markers.PREEMPTED_EXIT)
 
     def close(self) -> None:

@@ -30,21 +30,21 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
 from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.loader import load_config, override_config
 from phalanx.config.preset import fit_to_device
-from phalanx.config.template import write_resolved
 from phalanx.config.schema import Config
-from phalanx.runtime.data import DeviceLoader, is_training_loader, shard_loader
+from phalanx.config.template import write_resolved
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.runtime.lr import LRScaling
-from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.metrics.recorder import create_recorder
 from phalanx.runtime.compute import Compute
+from phalanx.runtime.data import DeviceLoader, is_training_loader, shard_loader
+from phalanx.runtime.lr import LRScaling
+from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.runtime.precision import Precision
 from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
-from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
 from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
@@ -82,7 +82,9 @@ class Session:
         self.batch: BatchPlan | None = None
         if config.batch.global_batch_size or config.batch.micro_batch_size:
             # Refuse an impossible batch now rather than at setup(); setup() may refine it.
-            self.batch = plan_batch(self.strategy.data_parallel_size, config.batch.global_batch_size, config.batch.micro_batch_size)
+            self.batch = plan_batch(
+                self.strategy.data_parallel_size, config.batch.global_batch_size, config.batch.micro_batch_size
+            )
         self.lr_scaling: LRScaling | None = None
         self.state = TrainState(self.device)  # step, epoch, micro-step, data positions, RNG
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
@@ -99,9 +101,19 @@ class Session:
         self._closed = False
         self._set_up = False
         run_dir = self.context.run_dir if self.context else None
-        checkpointer = Checkpointer(self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last)
+        checkpointer = Checkpointer(
+            self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last
+        )
         self.recovery = Recovery(
-            config, self.topology, run_dir, self._comm_device(), checkpointer, self.state, self._checkpointed, self.print, self._mark_schedulers
+            config,
+            self.topology,
+            run_dir,
+            self._comm_device(),
+            checkpointer,
+            self.state,
+            self._checkpointed,
+            self.print,
+            self._mark_schedulers,
         )
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
@@ -150,7 +162,9 @@ class Session:
         """
         # Models first: a sharding strategy replaces parameters, and optimizers follow them.
         priority = {nn.Module: 0, torch.optim.Optimizer: 1}
-        order = sorted(range(len(objects)), key=lambda i: next((p for t, p in priority.items() if isinstance(objects[i], t)), 2))
+        order = sorted(
+            range(len(objects)), key=lambda i: next((p for t, p in priority.items() if isinstance(objects[i], t)), 2)
+        )
         out: list[Any] = [None] * len(objects)
         for i in order:
             out[i] = self._setup_one(objects[i])
@@ -223,10 +237,16 @@ class Session:
         reference = cfg.optim.reference_batch_size or loader_batch_size
         if reference is None:
             if cfg.optim.lr_scaling != "none":
-                raise ConfigError("optim.lr_scaling needs optim.reference_batch_size (the batch size your lr was tuned for)")
+                raise ConfigError(
+                    "optim.lr_scaling needs optim.reference_batch_size (the batch size your lr was tuned for)"
+                )
             reference = self.batch.global_batch_size
         self.lr_scaling = LRScaling(
-            cfg.optim.lr_scaling, self.batch.global_batch_size, reference, cfg.optim.warmup_steps, cfg.optim.warmup_start_factor
+            cfg.optim.lr_scaling,
+            self.batch.global_batch_size,
+            reference,
+            cfg.optim.warmup_steps,
+            cfg.optim.warmup_start_factor,
         )
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -385,7 +405,9 @@ class Session:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
         for sched, seen in self._schedulers:
             if sched.last_epoch != seen:
-                raise PhalanxError("scheduler.step() was called directly; remove it: phalanx steps the scheduler once per optimizer step")
+                raise PhalanxError(
+                    "scheduler.step() was called directly; remove it: phalanx steps the scheduler once per optimizer step"
+                )
         if self.config.optim.max_grad_norm is not None:
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
@@ -408,15 +430,21 @@ class Session:
                 with warnings.catch_warnings():
                     # A sharding strategy steps a new optimizer built on the scheduler's param
                     # groups; torch cannot see that the step came first, phalanx guarantees it.
-                    warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning)
-                    warnings.filterwarnings("ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning)
+                    warnings.filterwarnings(
+                        "ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning
+                    )
+                    warnings.filterwarnings(
+                        "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
+                    )
                     for sched, _ in self._schedulers:
                         sched.step()
                 self._mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
             lr = base[0][0] * multiplier if base else None
-            self.metrics.record(stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr)
+            self.metrics.record(
+                stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr
+            )
         finally:
             self._in_step = False
             self.state.micro = 0
@@ -428,7 +456,9 @@ class Session:
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
         # synchronised, so stepping on them would let ranks diverge.
-        self.print(f"phalanx: dropping {self.state.micro} micro-step(s) that did not complete a global batch at the end of the epoch")
+        self.print(
+            f"phalanx: dropping {self.state.micro} micro-step(s) that did not complete a global batch at the end of the epoch"
+        )
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
@@ -438,7 +468,9 @@ class Session:
 
     def _only_model(self) -> nn.Module:
         if len(self._models) != 1:
-            raise PhalanxError("pass the model: session.clip_grad_norm_(max_norm, model) when several models are set up")
+            raise PhalanxError(
+                "pass the model: session.clip_grad_norm_(max_norm, model) when several models are set up"
+            )
         return self._models[0]
 
     # -- across processes ---------------------------------------------------------------------

@@ -17,5 +17,11 @@ def create_strategy(config: Config, topology: Topology) -> Strategy:
 
 
 __all__ = [
-    "STRATEGIES", "Sharding", "Strategy", "check_combination", "create_strategy", "resolve_name", "strategy_class",
+    "STRATEGIES",
+    "Sharding",
+    "Strategy",
+    "check_combination",
+    "create_strategy",
+    "resolve_name",
+    "strategy_class",
 ]

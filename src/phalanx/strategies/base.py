@@ -194,7 +194,12 @@ class Strategy:
         return {
             "parameters": sum(_nbytes(p) for p in params),
             "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(_nbytes(v) for per_param in state.values() for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+            "optimizer": sum(
+                _nbytes(v)
+                for per_param in state.values()
+                for v in per_param.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
         }
 
     def teardown(self, *, sync: bool = True) -> None:

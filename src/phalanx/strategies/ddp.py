@@ -91,7 +91,9 @@ class DDP(Strategy):
         opts = self.config.strategy.ddp
         first = f", first {opts.first_bucket_cap_mb:g} MiB" if opts.first_bucket_cap_mb is not None else ""
         hook = f", {opts.comm_hook} compression" if opts.comm_hook != "none" else ""
-        return f"ddp over {plural(self.topology.world_size, 'process')} (bucket {opts.bucket_cap_mb:g} MiB{first}{hook})"
+        return (
+            f"ddp over {plural(self.topology.world_size, 'process')} (bucket {opts.bucket_cap_mb:g} MiB{first}{hook})"
+        )
 
 
 def _bucket_sizes(bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> dict:
@@ -101,6 +103,7 @@ def _bucket_sizes(bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> di
     if first_bucket_cap_mb is None or first_bucket_cap_mb == bucket_cap_mb:
         return {"bucket_cap_mb": bucket_cap_mb}
     if "bucket_cap_mb_list" not in _DDP_ARGS:
-        raise ConfigError(f"strategy.ddp.first_bucket_cap_mb needs a torch whose DistributedDataParallel takes bucket_cap_mb_list (this is {torch.__version__}); set it to null")
+        raise ConfigError(
+            f"strategy.ddp.first_bucket_cap_mb needs a torch whose DistributedDataParallel takes bucket_cap_mb_list (this is {torch.__version__}); set it to null"
+        )
     return {"bucket_cap_mb_list": [first_bucket_cap_mb, bucket_cap_mb]}
-

@@ -59,7 +59,9 @@ class DeferredOutput(torch.Tensor):
                 )
         return None
 
-    def replay(self, output: torch.Tensor, target: torch.Tensor | None, target_chunk: torch.Tensor | None) -> torch.Tensor:
+    def replay(
+        self, output: torch.Tensor, target: torch.Tensor | None, target_chunk: torch.Tensor | None
+    ) -> torch.Tensor:
         """Run the recorded loss code on one micro-batch: ``output`` for the model's output, the
         target's chunk for the target."""
         value = output
@@ -76,6 +78,26 @@ def _is_accessor(func: Callable) -> bool:
 
 # Reading the output (its size, its values) needs the real tensor, which only the last stage has.
 _ACCESSORS = frozenset(
-    ("__get__", "__format__", "__bool__", "__len__", "__iter__", "__getitem__", "item", "tolist", "numpy", "size", "dim", "numel",
-     "argmax", "argmin", "eq", "__eq__", "__ne__", "ne", "cpu", "to")
+    (
+        "__get__",
+        "__format__",
+        "__bool__",
+        "__len__",
+        "__iter__",
+        "__getitem__",
+        "item",
+        "tolist",
+        "numpy",
+        "size",
+        "dim",
+        "numel",
+        "argmax",
+        "argmin",
+        "eq",
+        "__eq__",
+        "__ne__",
+        "ne",
+        "cpu",
+        "to",
+    )
 )

@@ -60,7 +60,9 @@ class FSDP(Strategy):
         before = dict(model.named_parameters())
         kwargs = {"reshard_after_forward": opts.reshard_after_forward}
         if self.config.precision.mode == "bf16":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_DTYPES[opts.reduce_dtype])
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=_DTYPES[opts.reduce_dtype]
+            )
         if opts.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         for unit in self._shard_units(model):
@@ -94,7 +96,9 @@ class FSDP(Strategy):
         for group in optimizer.param_groups:
             missing = [p for p in group["params"] if id(p) not in self._new_params]
             if missing:
-                raise ConfigError("strategy fsdp: the optimizer holds parameters that are not in the model given to setup()")
+                raise ConfigError(
+                    "strategy fsdp: the optimizer holds parameters that are not in the model given to setup()"
+                )
             group["params"] = [self._new_params[id(p)] for p in group["params"]]
         # Same group dicts, so a scheduler built on the user's optimizer still steers this one.
         return type(optimizer)(optimizer.param_groups, **rebuild_arguments(optimizer))
@@ -151,4 +155,3 @@ def _gradient_sync_off(model: nn.Module):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.runtime.transfer import to_device
 from phalanx.errors import ConfigError
+from phalanx.runtime.transfer import to_device
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
 
@@ -54,7 +54,9 @@ class ModelParallel(Strategy):
         return model
 
     def describe(self) -> str:
-        used = [str(d) for d in sorted({d for _, d in self.placement}, key=lambda d: (d.type, d.index or 0))] or [str(self.topology.device)]
+        used = [str(d) for d in sorted({d for _, d in self.placement}, key=lambda d: (d.type, d.index or 0))] or [
+            str(self.topology.device)
+        ]
         return f"model_parallel over {', '.join(used)} ({len(self.placement)} units)"
 
 

@@ -107,12 +107,16 @@ class Pipeline(Strategy):
         for group in optimizer.param_groups:  # same dicts: a scheduler on the user's optimizer still steers
             group["params"] = [p for p in group["params"] if id(p) in own]
         if not any(group["params"] for group in optimizer.param_groups):
-            raise ConfigError(f"strategy pipeline: stage {self.topology.rank} holds no parameters; set strategy.pipeline.split_points")
+            raise ConfigError(
+                f"strategy pipeline: stage {self.topology.rank} holds no parameters; set strategy.pipeline.split_points"
+            )
         return type(optimizer)(optimizer.param_groups, **rebuild_arguments(optimizer))
 
     def backward(self, loss: torch.Tensor, precision, accumulation_steps: int) -> torch.Tensor:
         if not isinstance(loss, DeferredOutput):
-            raise PhalanxError("strategy pipeline: session.backward() expects the loss computed from model(x), as loss_fn(model(x), y)")
+            raise PhalanxError(
+                "strategy pipeline: session.backward() expects the loss computed from model(x), as loss_fn(model(x), y)"
+            )
         (x, *_), batch = loss.inputs, loss.inputs[0].shape[0]
         # torch's stages size their buffers from the first batch; a later batch of another size
         # would be cut to those shapes, silently.
@@ -124,7 +128,9 @@ class Pipeline(Strategy):
             )
         micro = self.config.strategy.pipeline.microbatches
         if batch % micro:
-            raise ConfigError(f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches={micro}; choose a divisor of {batch}")
+            raise ConfigError(
+                f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches={micro}; choose a divisor of {batch}"
+            )
         target = loss.target(batch)
         self._pending, self._losses = (loss, target, accumulation_steps), []
         rank = self.topology.rank
@@ -134,7 +140,11 @@ class Pipeline(Strategy):
         self._schedule.step(*((x,) if rank == 0 else ()), **kwargs)
         # The schedule's losses are each chunk's mean / (steps x chunks): their sum x steps is the
         # micro-batch's mean loss.
-        value = torch.stack(self._losses).sum().detach() * accumulation_steps if self.is_last else torch.zeros((), device=self.topology.device)
+        value = (
+            torch.stack(self._losses).sum().detach() * accumulation_steps
+            if self.is_last
+            else torch.zeros((), device=self.topology.device)
+        )
         dist.broadcast(value, src=self.topology.world_size - 1)  # every rank logs the same loss
         loss.value = value
         return value
@@ -166,7 +176,11 @@ class Pipeline(Strategy):
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
-        local = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.topology.device)
+        local = (
+            torch.stack([g.pow(2).sum() for g in grads]).sum()
+            if grads
+            else torch.zeros((), device=self.topology.device)
+        )
         dist.all_reduce(local)  # the squares of every stage: the global norm
         norm = local.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -184,7 +198,7 @@ class Pipeline(Strategy):
     def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         for name, unit in self._own_units():
             prefix = f"{name}."
-            unit.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            unit.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.load_sharded_model_state_dict(model, state)  # a full dict holds every stage's keys
@@ -219,9 +233,15 @@ class Pipeline(Strategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         local = get_optimizer_state_dict(self.stage_module, optimizer)
-        groups = [{**loaded, "params": group["params"]} for group, loaded in zip(local["param_groups"], state["groups"])]
+        groups = [
+            {**loaded, "params": group["params"]} for group, loaded in zip(local["param_groups"], state["groups"])
+        ]
         own = {rename: k for k in local["state"] for rename in [self._global_name(k)]}
-        set_optimizer_state_dict(self.stage_module, optimizer, {"state": {own[k]: v for k, v in state["state"].items() if k in own}, "param_groups": groups})
+        set_optimizer_state_dict(
+            self.stage_module,
+            optimizer,
+            {"state": {own[k]: v for k, v in state["state"].items() if k in own}, "param_groups": groups},
+        )
 
     def _global_name(self, local: str) -> str:
         # The stage module is nn.Sequential(*own units): its child i is the i-th own unit.
@@ -259,12 +279,15 @@ def _split(units: list[tuple[str, nn.Module]], stages: int, split_points: list[s
             )
         starts = sorted(names.index(p) for p in split_points)
         if len(set(starts)) != len(starts) or starts[0] == 0:
-            raise ConfigError(f"strategy.pipeline.split_points must be distinct children after the first ({names[0]}), or a stage is left empty")
+            raise ConfigError(
+                f"strategy.pipeline.split_points must be distinct children after the first ({names[0]}), or a stage is left empty"
+            )
         return [sum(i >= s for s in starts) for i in range(len(units))]
     if len(units) < stages:
         raise ConfigError(f"strategy pipeline: the model has {len(units)} children, fewer than the {stages} stages")
     stage_of = assign(units, stages)
     if len(set(stage_of)) < stages:
-        raise ConfigError("strategy pipeline: balancing by parameters left a stage empty; set strategy.pipeline.split_points")
+        raise ConfigError(
+            "strategy pipeline: balancing by parameters left a stage empty; set strategy.pipeline.split_points"
+        )
     return stage_of
-

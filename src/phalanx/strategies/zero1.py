@@ -21,7 +21,9 @@ class Zero1(DDP):
 
         # The user's param-group dicts are handed over as they are, so a scheduler built on the
         # user's optimizer keeps steering the learning rate of the sharded one.
-        return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer), **rebuild_arguments(optimizer))
+        return ZeroRedundancyOptimizer(
+            optimizer.param_groups, optimizer_class=type(optimizer), **rebuild_arguments(optimizer)
+        )
 
     def optimizer_state_dict(self, model, optimizer) -> dict:
         # A collective: every rank sends its shard to rank 0, the one that writes plain checkpoints.
@@ -34,4 +36,3 @@ class Zero1(DDP):
 
     def describe(self) -> str:
         return f"zero1 over {plural(self.topology.world_size, 'process')} (optimizer state sharded)"
-

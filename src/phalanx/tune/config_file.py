@@ -50,7 +50,9 @@ def write_values(path: Path, values: Mapping[str, Any]) -> Written:
     if not kept:
         if toml:
             listing = ", ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
-            raise PhalanxError(f"could not edit {path} safely (phalanx writes TOML only line by line); set these by hand: {listing}")
+            raise PhalanxError(
+                f"could not edit {path} safely (phalanx writes TOML only line by line); set these by hand: {listing}"
+            )
         tree = copy.deepcopy(old)
         for key, value in values.items():
             _set(tree, key, value)
@@ -110,7 +112,9 @@ def _yaml_set(lines: list[str], parts: list[str], rendered: str) -> list[str]:
             return lines
         indent = len(match.group("indent"))
         start = found + 1
-        end = next((i for i in range(start, end) if _indent_of(lines[i]) is not None and _indent_of(lines[i]) <= indent), end)
+        end = next(
+            (i for i in range(start, end) if _indent_of(lines[i]) is not None and _indent_of(lines[i]) <= indent), end
+        )
     return lines
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from phalanx.util.units import format_bytes
 from phalanx.tune.trials import OK, Trial
+from phalanx.util.units import format_bytes
 
 TABLE_NOTE = (
     "samples/s: global samples per second, median step after warm-up; data wait: the share of the step the slowest rank waited "
@@ -15,7 +15,15 @@ TABLE_NOTE = (
 
 def tune_table(trials: list[Trial]) -> Table:
     table = Table(title="phalanx tune: trials")
-    for name, justify in (("#", "right"), ("stage", "left"), ("setting", "left"), ("samples/s", "right"), ("data wait", "right"), ("peak memory", "right"), ("outcome", "left")):
+    for name, justify in (
+        ("#", "right"),
+        ("stage", "left"),
+        ("setting", "left"),
+        ("samples/s", "right"),
+        ("data wait", "right"),
+        ("peak memory", "right"),
+        ("outcome", "left"),
+    ):
         table.add_column(name, justify=justify)
     for trial in trials:
         ok = trial.outcome == OK

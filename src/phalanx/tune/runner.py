@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 from phalanx.bench.launching import TrialOptions, quiet_overrides
-from phalanx.util.sizes import size_bytes
-from phalanx.util.units import MIB, format_bytes
 from phalanx.errors import PhalanxError
 from phalanx.launch.launcher import LaunchPlan, new_run_dir, prepare
 from phalanx.strategies import strategy_class
@@ -29,6 +27,8 @@ from phalanx.topology import cpu_count
 from phalanx.tune import search
 from phalanx.tune.config_file import Written, write_values
 from phalanx.tune.trials import OK, OOM, Announced, Settings, Trial, announced, code_settings, conclude
+from phalanx.util.sizes import size_bytes
+from phalanx.util.units import MIB, format_bytes
 from phalanx.util.words import plural
 
 STAGES = ("micro-batch", "workers", "bucket")
@@ -124,7 +124,13 @@ class _Tuner:
         run = self.options.launch(
             self.script, self.script_args, nproc=self.nproc, parent=parent, extra=overrides, cap=self.cap
         )
-        trial = conclude(Trial(number, stage, settings or Settings(0, 0), label), run, nproc=self.nproc, warmup=self.options.warmup, steps=self.options.steps)
+        trial = conclude(
+            Trial(number, stage, settings or Settings(0, 0), label),
+            run,
+            nproc=self.nproc,
+            warmup=self.options.warmup,
+            steps=self.options.steps,
+        )
         self.trials.append(trial)
         if settings is not None and not again:
             self._by_settings[settings] = trial
@@ -135,8 +141,12 @@ class _Tuner:
         """A change from the value in use must win a second, independent pair of trials too:
         between trials minutes apart, a shared machine's load alone moves samples/s by more
         than the gain a setting brings."""
-        again_current = self.trial(stage, current.settings, f"{self.stage_label(stage, current.settings)} (again)", again=True)
-        again_winner = self.trial(stage, winner.settings, f"{self.stage_label(stage, winner.settings)} (again)", again=True)
+        again_current = self.trial(
+            stage, current.settings, f"{self.stage_label(stage, current.settings)} (again)", again=True
+        )
+        again_winner = self.trial(
+            stage, winner.settings, f"{self.stage_label(stage, winner.settings)} (again)", again=True
+        )
         return search.confirmed(again_current.samples_per_s, again_winner.samples_per_s)
 
     def stage_label(self, stage: str, s: Settings) -> str:
@@ -157,12 +167,16 @@ class _Tuner:
         self.directory.mkdir(parents=True)
         device = self.base.devices.kind
         cap = f", memory cap {o.memory_cap} per rank" if o.memory_cap else ""
-        self.say(f"phalanx: tune of {'the demo' if o.demo else self.script} on {plural(self.nproc, 'process' if device == 'cpu' else 'device')} ({device}, strategy {self.base.strategy}{cap}), {o.steps} steps per trial; trials in {self.directory}")
+        self.say(
+            f"phalanx: tune of {'the demo' if o.demo else self.script} on {plural(self.nproc, 'process' if device == 'cpu' else 'device')} ({device}, strategy {self.base.strategy}{cap}), {o.steps} steps per trial; trials in {self.directory}"
+        )
         stages: list[StageResult] = []
         warnings: list[str] = []
         start = self.trial("start", None, "as configured")
         if start.outcome not in (OK, OOM):
-            raise TuneFailed(f"the first trial, with the script's own settings, failed: {start.detail}; its output is in {start.log}")
+            raise TuneFailed(
+                f"the first trial, with the script's own settings, failed: {start.detail}; its output is in {start.log}"
+            )
         plan = announced(start.run_dir)
         if plan is None:
             raise TuneFailed(
@@ -183,7 +197,9 @@ class _Tuner:
                 current, stage = self.micro_stage(current, start)
                 stages.append(stage)
             elif start.outcome == OOM:
-                raise TuneFailed(f"the script's own micro-batch {micro} runs out of memory ({start.detail}); search micro-batches with --search micro-batch")
+                raise TuneFailed(
+                    f"the script's own micro-batch {micro} runs out of memory ({start.detail}); search micro-batches with --search micro-batch"
+                )
             if "workers" in o.search:
                 current, stage = self.workers_stage(current)
                 stages.append(stage)
@@ -199,13 +215,17 @@ class _Tuner:
         code = code_settings(start.run_dir)
         for key in values:
             if key in code:
-                warnings.append(f"the script sets {key} in code (phalanx.Session(...)), which beats the config file: change it there, or pass --set {key}={values[key]} to launch")
+                warnings.append(
+                    f"the script sets {key} in code (phalanx.Session(...)), which beats the config file: change it there, or pass --set {key}={values[key]} to launch"
+                )
         config_path = Path(o.config_file) if o.config_file else Path("phalanx.yaml")
         written = None
         if values and not o.dry_run and failure is None:
             written = write_values(config_path, values)
         result = TuneResult(self.directory, self.trials, stages, values, config_path, written, warnings, failure)
-        (self.directory / "tune.json").write_text(json.dumps(_document(result, o, device, self.nproc), indent=2) + "\n", encoding="utf-8")
+        (self.directory / "tune.json").write_text(
+            json.dumps(_document(result, o, device, self.nproc), indent=2) + "\n", encoding="utf-8"
+        )
         return result
 
     def micro_stage(self, current: Settings, start: Trial) -> tuple[Settings, StageResult]:
@@ -216,20 +236,29 @@ class _Tuner:
         if most < current.micro:
             raise TuneFailed(f"--max-micro-batch {most} is below the script's own micro-batch {current.micro}")
         multiple = strategy_class(self.base.strategy).micro_batch_multiple(self.base.config)
-        candidates = search.micro_candidates(per_process, current.micro, keep_global=keep, most=most, multiple_of=multiple)
+        candidates = search.micro_candidates(
+            per_process, current.micro, keep_global=keep, most=most, multiple_of=multiple
+        )
         tried: dict[int, Trial] = {current.micro: start}
 
         def fits(size: int) -> bool:
             if size not in tried:
-                settings = replace(current, micro=size, global_batch=search.global_batch_for(size, current.global_batch, self.dp))
+                settings = replace(
+                    current, micro=size, global_batch=search.global_batch_for(size, current.global_batch, self.dp)
+                )
                 tried[size] = self.trial("micro-batch", settings, self.label(settings))
             return tried[size].outcome == OK
 
         largest = search.largest_fitting(candidates, current.micro, fits)
         if largest is None:
-            raise TuneFailed(f"no micro-batch fits, not even {candidates[0]}: {tried[candidates[0]].describe_outcome()}; its output is in {tried[candidates[0]].log}")
+            raise TuneFailed(
+                f"no micro-batch fits, not even {candidates[0]}: {tried[candidates[0]].describe_outcome()}; its output is in {tried[candidates[0]].log}"
+            )
         over = min((s for s, t in tried.items() if s > largest and t.outcome != OK), default=None)
-        winner = search.fastest([search.Measured(s, t.samples_per_s) for s, t in sorted(tried.items())], current.micro if start.outcome == OK else None)
+        winner = search.fastest(
+            [search.Measured(s, t.samples_per_s) for s, t in sorted(tried.items())],
+            current.micro if start.outcome == OK else None,
+        )
         chosen = tried[int(winner.value)]
         unconfirmed = None
         if chosen is not start and start.outcome == OK and not self.confirmed("micro-batch", start, chosen):
@@ -279,7 +308,9 @@ class _Tuner:
                 break
         winner = search.choose_workers(measured)
         if winner is None:
-            return current, StageResult("workers", "loader workers: no trial ran its steps; data.num_workers left as it was")
+            return current, StageResult(
+                "workers", "loader workers: no trial ran its steps; data.num_workers left as it was"
+            )
         chosen = trials[int(winner.value)]
         chosen.chosen = True
         share = chosen.data_wait_share or 0.0
@@ -288,7 +319,11 @@ class _Tuner:
 
     def bucket_stage(self, current: Settings) -> tuple[Settings, StageResult]:
         if not self._bucket_applies():
-            why = f"strategy {self.base.strategy} has no DDP gradient buckets" if self.nproc > 1 else "one process has nothing to all-reduce"
+            why = (
+                f"strategy {self.base.strategy} has no DDP gradient buckets"
+                if self.nproc > 1
+                else "one process has nothing to all-reduce"
+            )
             return current, StageResult("bucket", f"bucket size: skipped ({why})")
         gradients = self.plan.gradient_mib
         sizes = search.bucket_sizes(current.bucket_mb, gradients)
@@ -306,7 +341,9 @@ class _Tuner:
             measured.append(search.Measured(size, trials[size].samples_per_s))
         winner = search.fastest(measured, current.bucket_mb)
         if winner is None:
-            return current, StageResult("bucket", "bucket size: no trial ran its steps; strategy.ddp.bucket_cap_mb left as it was")
+            return current, StageResult(
+                "bucket", "bucket size: no trial ran its steps; strategy.ddp.bucket_cap_mb left as it was"
+            )
         chosen, now = trials[winner.value], trials[current.bucket_mb]
         kept = f" (no other size measured {search.MIN_GAIN:.0%} faster)"
         if chosen is not now and now.outcome == OK and not self.confirmed("bucket", now, chosen):
@@ -328,7 +365,9 @@ def run_tune(options: TuneOptions, say: Callable[[str], None] = print) -> TuneRe
 def _check_options(options: TuneOptions) -> None:
     options.check_steps()
     if options.memory_cap is not None and not size_bytes(options.memory_cap):
-        raise PhalanxError(f"--memory-cap '{options.memory_cap}' is not a size; write e.g. 2GiB, 512MiB or a number of bytes")
+        raise PhalanxError(
+            f"--memory-cap '{options.memory_cap}' is not a size; write e.g. 2GiB, 512MiB or a number of bytes"
+        )
     if options.max_micro_batch is not None and options.max_micro_batch < 1:
         raise PhalanxError(f"--max-micro-batch must be at least 1, got {options.max_micro_batch}")
     for name in options.search:
@@ -340,7 +379,11 @@ def _progress_line(trial: Trial) -> str:
     text = f"phalanx: tune trial {trial.number} ({trial.stage}, {trial.label}): "
     if trial.outcome == OK:
         share = trial.data_wait_share
-        text += f"{trial.samples_per_s:,.0f} samples/s, data wait {share:.0%}" if share is not None else f"{trial.samples_per_s:,.0f} samples/s"
+        text += (
+            f"{trial.samples_per_s:,.0f} samples/s, data wait {share:.0%}"
+            if share is not None
+            else f"{trial.samples_per_s:,.0f} samples/s"
+        )
     else:
         text += trial.describe_outcome()
     return text + f", {trial.seconds:.0f}s"

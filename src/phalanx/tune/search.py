@@ -154,7 +154,9 @@ def bucket_sizes(current: float, gradient_mib: float | None = None) -> list[floa
 
 
 # -- learning rate --------------------------------------------------------------------------------
-def lr_settings(original_global: int, new_global: int, *, rule: str, reference: int | None, warmup_steps: int) -> dict[str, object]:
+def lr_settings(
+    original_global: int, new_global: int, *, rule: str, reference: int | None, warmup_steps: int
+) -> dict[str, object]:
     """Config values that keep the learning rate right for a global batch tune enlarged.
 
     The user's rule is kept when they chose one; otherwise ``sqrt`` (the conservative one, and the

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from phalanx.bench.figures import RunFigures, read_metrics, run_figures
 from phalanx.bench.launching import LaunchRun, failure_reason
-from phalanx.util.units import MIB
 from phalanx.errors import PhalanxError
 from phalanx.session.facts import read_run_facts
+from phalanx.util.units import MIB
 
 OK, OOM, FAILED = "ok", "out of memory", "failed"
 
@@ -99,19 +99,29 @@ def conclude(trial: Trial, run: LaunchRun, *, nproc: int, warmup: int, steps: in
     reason = failure_reason(run.log)
     if oom_ranks or (not run.complete and _OOM_IN_SUMMARY.search(reason)):
         trial.outcome = OOM
-        trial.detail = f"{'rank' if len(oom_ranks) == 1 else 'ranks'} {', '.join(map(str, oom_ranks))}" if oom_ranks else ""
+        trial.detail = (
+            f"{'rank' if len(oom_ranks) == 1 else 'ranks'} {', '.join(map(str, oom_ranks))}" if oom_ranks else ""
+        )
         return trial
     if not run.complete:
         trial.outcome, trial.detail = FAILED, _short(reason) or f"exit code {run.returncode}"
         return trial
     if run.steps == 0:
-        trial.outcome, trial.detail = FAILED, "no optimizer step recorded: tune reads the per-step metrics of phalanx.Session"
+        trial.outcome, trial.detail = (
+            FAILED,
+            "no optimizer step recorded: tune reads the per-step metrics of phalanx.Session",
+        )
         return trial
     if run.steps < steps:
-        trial.outcome, trial.detail = FAILED, f"the script ended after {run.steps} of the {steps} steps a trial needs: raise train.epochs or lower --steps"
+        trial.outcome, trial.detail = (
+            FAILED,
+            f"the script ended after {run.steps} of the {steps} steps a trial needs: raise train.epochs or lower --steps",
+        )
         return trial
     try:
-        trial.figures = run_figures(nproc, read_metrics(run.run_dir / "metrics"), warmup, f"trial {trial.number}", steps)
+        trial.figures = run_figures(
+            nproc, read_metrics(run.run_dir / "metrics"), warmup, f"trial {trial.number}", steps
+        )
     except (PhalanxError, OSError) as err:
         trial.outcome, trial.detail = FAILED, _short(str(err))
         return trial

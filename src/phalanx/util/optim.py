@@ -14,4 +14,3 @@ def rebuild_arguments(optimizer: torch.optim.Optimizer) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(optimizer.defaults)
     return {k: v for k, v in optimizer.defaults.items() if k in params}
-

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from phalanx.util.sizes import GIB, KIB, MIB, size_bytes
 from phalanx.errors import PhalanxError
+from phalanx.util.sizes import GIB, KIB, MIB, size_bytes
 
 
 def parse_size(text: str) -> int:
