@@ -13,7 +13,7 @@ on the digits demo and on the MLP with teacher labels.
 Both write DIR/benchmarks.json, DIR/benchmarks.md and a chart under DIR/images (default DIR:
 docs). Accelerate and Fabric are benchmark-only dependencies: pip install -e '.[peers]'.
 
-    .venv/bin/python benchmarks/compare.py                      # full throughput run, about 10 min on a quiet 2-core machine
+    .venv/bin/python benchmarks/compare.py                      # full throughput run, ~10 min on a quiet 2-core machine
     .venv/bin/python benchmarks/compare.py --time-to-target     # about 10 min
     .venv/bin/python benchmarks/compare.py --quick --out /tmp/cmp   # smoke run, a few minutes
 """
@@ -190,7 +190,8 @@ def _progress(out: Outcome, repeat: int, repeats: int, unit: str | None) -> str:
         return f"{head} FAILED ({out.wall_s:.1f} s): {out.error}"
     if "task" in out.result:
         t = out.result["task"]
-        return f"{head} {'reached' if t['reached'] else 'missed'} accuracy {t['target_accuracy']:g} in {t['seconds']:.1f} s ({out.wall_s:.1f} s launch)"
+        verdict = "reached" if t["reached"] else "missed"
+        return f"{head} {verdict} accuracy {t['target_accuracy']:g} in {t['seconds']:.1f} s ({out.wall_s:.1f} s launch)"
     figures = "  ".join(f"{w} {f['samples_per_s']:,.0f}/s" for w, f in out.result["workloads"].items())
     return f"{head} {figures}  ({out.wall_s:.1f} s launch)"
 
@@ -211,9 +212,12 @@ def throughput(args: argparse.Namespace, scratch: Path) -> dict:
         "launches": summary.launch_rows(outcomes, args.contenders, args.nprocs),
         "readings": summary.readings(rows),
         "failures": failures,
-        "settings": f"repeats {args.repeats}; processes {','.join(map(str, args.nprocs))} with {', '.join(f'{threads_per_process(n)} thread(s) each at {n}' for n in args.nprocs)}; "
+        "settings": f"repeats {args.repeats}; processes {','.join(map(str, args.nprocs))} with "
+        f"{', '.join(f'{threads_per_process(n)} thread(s) each at {n}' for n in args.nprocs)}; "
         + ("tiny sizes; " if args.tiny else "")
-        + f"warm-up/timed steps: {args.warmup if args.warmup is not None else 'per workload'}/{args.steps if args.steps is not None else 'per workload'}",
+        + "warm-up/timed steps: "
+        f"{args.warmup if args.warmup is not None else 'per workload'}/"
+        f"{args.steps if args.steps is not None else 'per workload'}",
     }
 
 
@@ -261,7 +265,8 @@ def time_to_target(args: argparse.Namespace, scratch: Path) -> dict:
         "rows": rows,
         "readings": summary.target_readings(rows) + notes,
         "failures": failures,
-        "settings": f"repeats {args.repeats}; processes {','.join(map(str, args.nprocs))}; give up after {args.max_seconds:g} s of training"
+        "settings": f"repeats {args.repeats}; processes {','.join(map(str, args.nprocs))}; give up after "
+        f"{args.max_seconds:g} s of training"
         + (f"; tuned config {args.tuned_config}" if args.tuned_config else "; no tuned config"),
     }
 

@@ -322,7 +322,10 @@ def compile_rows(steps: int, micro: int) -> list[tuple[str, str, str]]:
         ((compiled[k] - eager[k]).abs().max() / eager[k].abs().max().clamp_min(1e-12)).item() for k in eager
     )
     ok = len(compiled_losses) == len(eager_losses) == steps and loss_diff <= 1e-4 and weight_diff <= 1e-3
-    figure = f"{steps} steps: loss differs by {loss_diff:.1e} at most, weights by {weight_diff:.1e} (relative); compiling and running took {took:.0f}s"
+    figure = (
+        f"{steps} steps: loss differs by {loss_diff:.1e} at most, weights by {weight_diff:.1e} (relative); "
+        f"compiling and running took {took:.0f}s"
+    )
     return [("MLP fp32 compute.compile vs eager", figure, "ok" if ok else "FAIL")]
 
 
@@ -335,7 +338,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit(
-            f"gpu_check: no CUDA device visible (torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); run it on a machine with a GPU"
+            f"gpu_check: no CUDA device visible (torch {torch.__version__}, built for CUDA "
+            f"{torch.version.cuda or 'none'}); run it on a machine with a GPU"
         )
     name = torch.cuda.get_device_name(0)
     rows = []

@@ -164,10 +164,12 @@ def main() -> None:
     rates = {label: (samples / statistics.median(t), samples / _quantile(t, 0.1)) for label, t in steps.items()}
     base = rates[variants[0][0]]
     print(
-        f"\n{args.nproc} process(es), micro-batch {args.micro_batch}, {args.repeats} x {args.steps} steps after {args.warmup} of warm-up each:\n"
+        f"\n{args.nproc} process(es), micro-batch {args.micro_batch}, {args.repeats} x {args.steps} steps after "
+        f"{args.warmup} of warm-up each:\n"
     )
     print(
-        "| variant | samples/s (median step) | vs first | samples/s (10th-percentile step) | vs first |\n| --- | ---: | ---: | ---: | ---: |"
+        "| variant | samples/s (median step) | vs first | samples/s (10th-percentile step) | vs first |\n| --- | ---: "
+        "| ---: | ---: | ---: |"
     )
     for label, (median, fast) in rates.items():
         print(f"| {label} | {median:,.0f} | {median / base[0]:.2f}x | {fast:,.0f} | {fast / base[1]:.2f}x |")

@@ -136,13 +136,15 @@ def main() -> None:
         r["scaling_efficiency"] = r["samples_per_s"] / (r["nprocs"] * one["samples_per_s"]) if one else None
 
     print(
-        f"\nMLP 4x{HIDDEN} fp32, micro-batch {args.micro_batch}, {args.steps} timed steps, median of {args.repeats}; torch {torch.__version__}, {os.cpu_count()} cores"
+        f"\nMLP 4x{HIDDEN} fp32, micro-batch {args.micro_batch}, {args.steps} timed steps, median of {args.repeats}; "
+        f"torch {torch.__version__}, {os.cpu_count()} cores"
     )
     print(f"{'contender':10s} {'procs':>5s} {'samples/s':>10s} {'vs raw':>7s} {'scaling':>8s} {'final loss':>10s}")
     for r in sorted(rows, key=lambda r: (r["nprocs"], r["contender"] != "raw")):
         eff = f"{r['scaling_efficiency']:.2f}" if r["scaling_efficiency"] is not None else "-"
         print(
-            f"{r['contender']:10s} {r['nprocs']:5d} {r['samples_per_s']:10.1f} {r['ratio_to_raw']:7.3f} {eff:>8s} {r['final_loss']:10.4f}"
+            f"{r['contender']:10s} {r['nprocs']:5d} {r['samples_per_s']:10.1f} {r['ratio_to_raw']:7.3f} {eff:>8s} "
+            f"{r['final_loss']:10.4f}"
         )
     if args.json:
         with open(args.json, "w") as fh:

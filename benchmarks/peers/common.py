@@ -163,7 +163,8 @@ def _throughput(args: argparse.Namespace, name: str, contender_prepare: Callable
             marks.append(time.perf_counter())
     if len(marks) < 2:
         raise SystemExit(
-            f"{name}: the data ran out before a timed optimizer step ({micro} micro-steps of {prepared.accumulation} per step); raise --steps"
+            f"{name}: the data ran out before a timed optimizer step ({micro} micro-steps of {prepared.accumulation} "
+            "per step); raise --steps"
         )
     timed = samples - warm_samples
     seconds = marks[-1] - start

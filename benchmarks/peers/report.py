@@ -105,7 +105,8 @@ def _throughput(t: dict) -> list[str]:
         title = next((r["title"] for r in rows if r.get("title")), workload)
         out += [f"### {workload}: {title}", ""]
         out += [
-            "| contender | processes | threads each | global batch | samples/s (median) | runs min-max | vs raw DDP | scaling (N vs 1) | step ms | final loss | batch split |",
+            "| contender | processes | threads each | global batch | samples/s (median) | runs min-max | vs raw DDP | "
+            "scaling (N vs 1) | step ms | final loss | batch split |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in rows:
@@ -116,8 +117,10 @@ def _throughput(t: dict) -> list[str]:
                 continue
             runs = r["samples_per_s_runs"]
             out.append(
-                f"| {r['label']} | {r['nproc']} | {r['threads_per_process']} | {r['global_batch']} | {r['samples_per_s']:,.1f} | {min(runs):,.0f}-{max(runs):,.0f} | "
-                f"{_num(r['ratio_to_raw'], '.3f')} | {_num(r['scaling_efficiency'], '.2f')} | {r['step_time_ms']:.1f} | "
+                f"| {r['label']} | {r['nproc']} | {r['threads_per_process']} | {r['global_batch']} | "
+                f"{r['samples_per_s']:,.1f} | {min(runs):,.0f}-{max(runs):,.0f} | "
+                f"{_num(r['ratio_to_raw'], '.3f')} | {_num(r['scaling_efficiency'], '.2f')} | {r['step_time_ms']:.1f} "
+                "| "
                 f"{r['final_loss']:.4f} | {_choices(r['choices'])} |"
             )
         out.append("")
@@ -142,13 +145,15 @@ def _throughput(t: dict) -> list[str]:
 def _time_to_target(t: dict) -> list[str]:
     out = ["## Time to target", ""] + _header(t)
     out += [
-        "| task | contender | processes | target accuracy | reached | seconds to target (median) | vs raw DDP | samples | eval s | launch s | batch split |",
+        "| task | contender | processes | target accuracy | reached | seconds to target (median) | vs raw DDP | "
+        "samples | eval s | launch s | batch split |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in t["rows"]:
         if not r["runs"]:
             out.append(
-                f"| {r['task']} | {r['label']} | {r['nproc']} | | failed | | | | | | {'; '.join(r['errors']) or 'no result'} |"
+                f"| {r['task']} | {r['label']} | {r['nproc']} | | failed | | | | | | "
+                f"{'; '.join(r['errors']) or 'no result'} |"
             )
             continue
         out.append(

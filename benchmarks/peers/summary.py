@@ -96,7 +96,8 @@ def readings(rows: list[dict]) -> dict[str, list[str]]:
             ph, raw = by.get((workload, "phalanx", n)), by.get((workload, "raw", n))
             if not ph or not raw or ph.get("ratio_to_raw") is None:
                 lines.append(
-                    f"{n} process{'es' if n > 1 else ''}: no phalanx-against-raw figure (a contender failed or was not run)."
+                    f"{n} process{'es' if n > 1 else ''}: no phalanx-against-raw figure (a contender failed or was not "
+                    "run)."
                 )
                 continue
             ratio = ph["ratio_to_raw"]
@@ -115,7 +116,8 @@ def readings(rows: list[dict]) -> dict[str, list[str]]:
                 if other and other.get("samples_per_s"):
                     rel = ph["samples_per_s"] / other["samples_per_s"]
                     peers.append(
-                        f"{rel:.3f}x {other['label']} (target: not slower, 2% allowed for noise, {'met' if rel >= 1 - WITHIN_RAW else 'missed'})"
+                        f"{rel:.3f}x {other['label']} (target: not slower, 2% allowed for noise, "
+                        f"{'met' if rel >= 1 - WITHIN_RAW else 'missed'})"
                     )
             if peers:
                 text += "; against the peers: " + ", ".join(peers)

@@ -40,7 +40,8 @@ _SAVER = textwrap.dedent(
     from torch import nn
     import phalanx
 
-    session = phalanx.Session(train={"progress": False}, checkpoint={"dir": sys.argv[1], "resume": "never", "keep_last": 2})
+    checkpoint = {"dir": sys.argv[1], "resume": "never", "keep_last": 2}
+    session = phalanx.Session(train={"progress": False}, checkpoint=checkpoint)
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # ~2 MB of weights, 4 MB of Adam state
     optimizer = torch.optim.Adam(model.parameters())
     model, optimizer = session.setup(model, optimizer)

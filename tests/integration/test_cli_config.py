@@ -33,7 +33,7 @@ def test_show_table_names_sources(tmp_path):
     (tmp_path / "phalanx.yaml").write_text("precision:\n  mode: bf16\n")
     result = run_phalanx("config", "show", cwd=tmp_path, timeout=60)
     assert result.returncode == 0
-    line = next(l for l in result.stdout.splitlines() if "precision.mode" in l)
+    line = next(ln for ln in result.stdout.splitlines() if "precision.mode" in ln)
     assert "bf16" in line and "file phalanx.yaml" in line
 
 

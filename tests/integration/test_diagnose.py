@@ -36,11 +36,11 @@ def test_env_prints_every_section(tmp_path):
         "distributed environment variables",
     ):
         assert f"\n{label}" in out or out.startswith(label), label
-    torch_line = next(l for l in out.splitlines() if l.startswith("torch "))
+    torch_line = next(ln for ln in out.splitlines() if ln.startswith("torch "))
     assert "(CUDA " in torch_line and ", NCCL " in torch_line  # "none" for each on a CPU build
-    line = next(l for l in out.splitlines() if "precision.mode" in l)
+    line = next(ln for ln in out.splitlines() if "precision.mode" in ln)
     assert "bf16" in line and "[file phalanx.yaml]" in line
-    assert "[--set]" in next(l for l in out.splitlines() if "train.epochs" in l)
+    assert "[--set]" in next(ln for ln in out.splitlines() if "train.epochs" in ln)
     assert "NCCL_DEBUG=WARN" in out and "OMP_NUM_THREADS=1" in out
 
 

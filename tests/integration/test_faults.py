@@ -38,7 +38,8 @@ SCRIPT = textwrap.dedent(
     model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)
-    model, optimizer, loader, scheduler = session.setup(model, optimizer, DataLoader(data, batch_size=16, shuffle=True), scheduler)
+    loader = DataLoader(data, batch_size=16, shuffle=True)
+    model, optimizer, loader, scheduler = session.setup(model, optimizer, loader, scheduler)
     kill_at, sleep = int(os.environ.get("KILL_AT", "0")), float(os.environ.get("STEP_SLEEP", "0"))
     for _ in session.epochs():
         for x, y in session.progress(loader):

@@ -46,7 +46,8 @@ def test_script_arguments_and_config_reach_the_workers(tmp_path):
             import sys
             import phalanx
             session = phalanx.Session()
-            session.print("args", sys.argv[1:], "mode", session.config.precision.mode, "epochs", session.config.train.epochs,
+            config = session.config
+            session.print("args", sys.argv[1:], "mode", config.precision.mode, "epochs", config.train.epochs,
                           "world", session.world_size, "strategy", session.strategy.name)
             session.close()
             """

@@ -29,7 +29,8 @@ def test_unused_head_trains_like_one_process_and_is_named_once(strategy, capfd):
         assert out["searching"] == [True]
     line = (
         "phalanx: 2 parameters got no gradient in the first step (head2.weight, head2.bias); DDP will look for unused "
-        "parameters every step (slower). Remove them from the model, or set strategy.ddp.find_unused_parameters: true to silence this."
+        "parameters every step (slower). Remove them from the model, or set strategy.ddp.find_unused_parameters: true "
+        "to silence this."
     )
     assert printed.out.count(line) == 1  # rank 0 only, once
     assert TORCH_NOTICE not in printed.err
@@ -70,8 +71,10 @@ def test_parameter_unused_after_the_switch_is_one_clear_error():
     for out in outs:
         assert out["steps"] == 1
         assert out["error"] == (
-            "a parameter got no gradient in this step (head2.weight, head2.bias), although every parameter had one in the "
-            "first step, after which phalanx turned DDP's search for unused parameters off; set strategy.ddp.find_unused_parameters: true"
+            "a parameter got no gradient in this step (head2.weight, head2.bias), although every parameter had one in "
+            "the "
+            "first step, after which phalanx turned DDP's search for unused parameters off; set "
+            "strategy.ddp.find_unused_parameters: true"
         )
 
 
@@ -82,5 +85,6 @@ def test_find_unused_false_with_an_unused_parameter_is_one_clear_error():
     for out in outs:
         assert out["steps"] == 0
         assert out["error"].startswith(
-            "a parameter got no gradient in this step (head2.weight, head2.bias), and strategy.ddp.find_unused_parameters is false"
+            "a parameter got no gradient in this step (head2.weight, head2.bias), and "
+            "strategy.ddp.find_unused_parameters is false"
         )

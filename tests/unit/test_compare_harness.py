@@ -137,7 +137,8 @@ def test_time_to_target_ratio_only_when_every_run_reached():
     assert by["raw"]["seconds"] == 12.0 and by["phalanx-preset"]["seconds"] == 7.5
     assert by["phalanx-preset"]["ratio_to_raw"] == pytest.approx(7.5 / 12.0)
     assert summary.target_readings(rows) == [
-        "digits, 2 processes: phalanx preset=throughput reaches accuracy 0.98 in 0.62x the raw DDP loop's time (7.5 s against 12.0 s); it meets the 0.75x target."
+        "digits, 2 processes: phalanx preset=throughput reaches accuracy 0.98 in 0.62x the raw DDP loop's time (7.5 s "
+        "against 12.0 s); it meets the 0.75x target."
     ]
     missed = summary.target_rows(
         [*outcomes, _target("phalanx-preset", 30.0, reached=False)], ["digits"], ["raw", "phalanx-preset"], [2]

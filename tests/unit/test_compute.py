@@ -52,7 +52,8 @@ def test_channels_last_in_one_process():
 def test_channels_last_on_a_model_without_convolutions_is_refused():
     with pytest.raises(
         ConfigError,
-        match=r"^compute.channels_last: Sequential has no 4-D \(convolution\) weights, so the channels-last memory format changes nothing; set compute.channels_last: false$",
+        match=r"^compute.channels_last: Sequential has no 4-D \(convolution\) weights, so the channels-last memory "
+        r"format changes nothing; set compute.channels_last: false$",
     ):
         train("single", 16, None, 1, model="mlp", compute={"channels_last": True})
 
@@ -87,7 +88,8 @@ def test_auto_picks_fused_then_foreach_and_keeps_an_explicit_choice(monkeypatch)
 def test_fused_on_an_optimizer_without_fused_kernels_is_refused():
     with pytest.raises(
         ConfigError,
-        match=r"^compute.optimizer_impl=fused: RMSprop has no fused implementation \(in torch: Adam, AdamW, SGD, Adagrad\); use auto",
+        match=r"^compute.optimizer_impl=fused: RMSprop has no fused implementation \(in torch: Adam, AdamW, SGD, "
+        r"Adagrad\); use auto",
     ):
         train("single", 16, None, 1, model="mlp", optimizer="rmsprop", compute={"optimizer_impl": "fused"})
 

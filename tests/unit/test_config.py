@@ -95,7 +95,8 @@ def test_override_config_keeps_sources(tmp_path):
         ),
         (
             ["precision.colour=red"],
-            "unknown setting 'precision.colour' (from --set); known settings in 'precision': mode, tf32, cudnn_benchmark",
+            "unknown setting 'precision.colour' (from --set); known settings in 'precision': mode, tf32, "
+            "cudnn_benchmark",
         ),
         (["batch.global_batch_size=-4"], "'batch.global_batch_size'"),
         (["train.epochs=many"], "'train.epochs'"),

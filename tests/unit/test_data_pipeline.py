@@ -332,8 +332,9 @@ def test_run_summary_prints_the_hint(tmp_path, capsys):
     metrics.mkdir()
     for rank, wait in ((0, 0.01), (1, 0.03)):
         rows = [
-            {"rank": rank, "step": s, "epoch": 0, "time": 1e9 + s, "step_time": 0.1, "data_wait": wait, "sync_time": 0.05,
-             "samples": 64, "samples_per_s": 640.0, "loss": 1.0, "lr": 0.1, "grad_norm": None, "peak_mem_bytes": None}
+            {"rank": rank, "step": s, "epoch": 0, "time": 1e9 + s, "step_time": 0.1, "data_wait": wait,
+             "sync_time": 0.05, "samples": 64, "samples_per_s": 640.0, "loss": 1.0, "lr": 0.1, "grad_norm": None,
+             "peak_mem_bytes": None}
             for s in range(1, 11)
         ]  # fmt: skip
         (metrics / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

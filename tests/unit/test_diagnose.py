@@ -304,7 +304,8 @@ def test_other_gpu_processes():
 def test_driver_view_from_nvidia_smi_text(monkeypatch):
     monkeypatch.setattr("phalanx.diagnose.nvidia.nvml_processes", lambda: None)  # as without nvidia-ml-py
     answers = {
-        "--query-gpu": "0, NVIDIA A100-SXM4-80GB, 81920, 5, 535.104.05, GPU-0000, 4, 16\n1, NVIDIA A100-SXM4-80GB, 81920, [N/A], 535.104.05, GPU-0001, 4, 16\n",
+        "--query-gpu": "0, NVIDIA A100-SXM4-80GB, 81920, 5, 535.104.05, GPU-0000, 4, 16\n1, NVIDIA A100-SXM4-80GB, "
+        "81920, [N/A], 535.104.05, GPU-0001, 4, 16\n",
         "--query-compute-apps": "4242, python, 10240, GPU-0001\n",
         "topo": TOPO,
         "": "| NVIDIA-SMI 535.104.05    Driver Version: 535.104.05    CUDA Version: 12.2 |",

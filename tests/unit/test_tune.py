@@ -225,7 +225,10 @@ def _trial():
 
 
 def test_out_of_memory_on_one_rank_is_the_outcome_even_when_another_rank_is_blamed(tmp_path):
-    announce = "phalanx: ddp over 2 processes | 1,234 trainable parameters (3.5 MiB of gradients) | global batch 16 = micro batch 8 x 1 accumulation step x 2 processes\n"
+    announce = (
+        "phalanx: ddp over 2 processes | 1,234 trainable parameters (3.5 MiB of gradients) | "
+        "global batch 16 = micro batch 8 x 1 accumulation step x 2 processes\n"
+    )
     run = _fake_run(
         tmp_path,
         code=1,

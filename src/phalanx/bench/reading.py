@@ -28,13 +28,15 @@ def reading(rows: list[Scaling], *, cpu: bool, cores: int | None = None, threads
     if top.efficiency > SUPERLINEAR:
         parts.append(
             "Above 100% means the 1-device run was slow for reasons of its own (other work on the machine, "
-            "threads contending, a cold cache), so it is a poor baseline: repeat the bench on an idle machine, with more --steps."
+            "threads contending, a cold cache), so it is a poor baseline: repeat the bench on an idle machine, "
+            "with more --steps."
         )
     elif top.efficiency >= GOOD_EFFICIENCY:
         parts.append("Scales well: there is little to gain from tuning the launch.")
         if data_share >= NOTABLE_SHARE:
             parts.append(
-                f"Still, {data_share:.0%} of each step is spent waiting for the loader; data.num_workers may win it back."
+                f"Still, {data_share:.0%} of each step is spent waiting for the loader; "
+                "data.num_workers may win it back."
             )
     elif data_share >= NOTABLE_SHARE and data_share >= comm_share:
         parts.append(
@@ -44,14 +46,17 @@ def reading(rows: list[Scaling], *, cpu: bool, cores: int | None = None, threads
         )
     elif comm_share >= NOTABLE_SHARE:
         parts.append(
-            f"Communication-bound: at {n} each {ms(step)} step spends {ms(top.comm_wait)} ({comm_share:.0%}) beyond the 1-device compute and the data wait. "
-            "Larger micro-batches per device (batch.global_batch_size, batch.micro_batch_size) put more compute behind each gradient all-reduce; "
+            f"Communication-bound: at {n} each {ms(step)} step spends {ms(top.comm_wait)} ({comm_share:.0%}) "
+            "beyond the 1-device compute and the data wait. "
+            "Larger micro-batches per device (batch.global_batch_size, batch.micro_batch_size) put more compute "
+            "behind each gradient all-reduce; "
             "strategy.ddp.bucket_cap_mb sets how gradients are grouped into all-reduces; "
             "`phalanx doctor` measures the all-reduce bandwidth between the devices."
         )
     else:
         parts.append(
-            f"Neither communication nor data wait stands out ({comm_share:.0%} and {data_share:.0%} of the {ms(step)} step); "
+            f"Neither communication nor data wait stands out ({comm_share:.0%} and {data_share:.0%} "
+            f"of the {ms(step)} step); "
             "the loss is spread thin, so measure again with more --steps before tuning."
         )
     if cpu and top.efficiency < GOOD_EFFICIENCY:

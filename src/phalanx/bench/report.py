@@ -16,12 +16,16 @@ from phalanx.version import __version__
 
 SPLIT_METHOD = (
     "data wait is measured (time each rank waited for its loader; a step counts its longest-waiting rank); "
-    "compute is the 1-device run's step time minus its data wait, assumed unchanged at N devices because every run keeps "
-    "the same micro-batch per device; communication wait is step time - compute - data wait, at least 0, so it also holds "
-    "whatever else slowed a step (a straggler, processes contending for CPU cores or memory bandwidth)"
+    "compute is the 1-device run's step time minus its data wait, assumed unchanged at N devices because "
+    "every run keeps the same micro-batch per device; communication wait is step time - compute - data wait, "
+    "at least 0, so it also holds whatever else slowed a step (a straggler, processes contending for CPU cores "
+    "or memory bandwidth)"
 )
 
-SPLIT_NOTE = "step split: data wait is measured; compute is the 1-device step time minus its data wait; comm wait is the rest of the step (at least 0)."
+SPLIT_NOTE = (
+    "step split: data wait is measured; compute is the 1-device step time minus its data wait; "
+    "comm wait is the rest of the step (at least 0)."
+)
 
 
 def machine_facts() -> dict:

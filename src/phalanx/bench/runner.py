@@ -75,7 +75,8 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     device = base.devices.kind
     unit, units = ("process", "processes") if device == "cpu" else ("device", "devices")
     say(
-        f"phalanx: bench of {'the demo' if options.demo else script} on {', '.join(map(str, counts))} {units}, {options.steps} steps each ({options.warmup} warm-up), in {directory}"
+        f"phalanx: bench of {'the demo' if options.demo else script} on {', '.join(map(str, counts))} {units}, "
+        f"{options.steps} steps each ({options.warmup} warm-up), in {directory}"
     )
 
     threads = _threads_per_process(device, counts)
@@ -106,7 +107,9 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
         "config_file": options.config_file,
         "overrides": list(options.overrides),
         "threads_per_process": threads,
-        "scaling": "weak: every run keeps the 1-device run's micro-batch per device; the global batch grows with the devices",
+        "scaling": (
+            "weak: every run keeps the 1-device run's micro-batch per device; the global batch grows with the devices"
+        ),
     }
     document = bench_json(
         rows,
@@ -121,7 +124,10 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     chart = None
     if have_matplotlib():
         chart = directory / "bench.png"
-        title = f"phalanx bench, {'demo' if options.demo else Path(script).name}: {machine_label(document['machine'], device)}"
+        title = (
+            f"phalanx bench, {'demo' if options.demo else Path(script).name}: "
+            f"{machine_label(document['machine'], device)}"
+        )
         write_chart(rows, chart, title=title, units=units)
     return BenchResult(directory, rows, device, text, chart)
 

@@ -153,13 +153,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
     a missing or unreadable one is a clear error."""
     if not path.exists():
         raise PhalanxError(
-            f"checkpoint '{path}' not found; give a checkpoint directory (e.g. checkpoints/step-00000120) or checkpoints/latest"
+            f"checkpoint '{path}' not found; give a checkpoint directory (e.g. checkpoints/step-00000120) "
+            "or checkpoints/latest"
         )
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         if path.name.startswith(_STAGING_PREFIX):
             raise PhalanxError(
-                f"checkpoint '{path}' is incomplete (its save was interrupted); use the previous one: {latest(path.parent) or 'none left'}"
+                f"checkpoint '{path}' is incomplete (its save was interrupted); "
+                f"use the previous one: {latest(path.parent) or 'none left'}"
             )
         raise PhalanxError(
             f"'{path}' is not a phalanx checkpoint (no {MANIFEST}); give a directory written by session.save()"
@@ -168,13 +170,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise PhalanxError(
-            f"checkpoint manifest '{manifest_path}' is unreadable ({err}); the checkpoint is damaged, use an earlier one"
+            f"checkpoint manifest '{manifest_path}' is unreadable ({err}); "
+            "the checkpoint is damaged, use an earlier one"
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise PhalanxError(f"'{manifest_path}' is not a phalanx checkpoint manifest")
     if manifest.get("version", 0) > VERSION:
         raise PhalanxError(
-            f"checkpoint '{path}' was written by a newer phalanx (format {manifest['version']}); upgrade phalanx to load it"
+            f"checkpoint '{path}' was written by a newer phalanx (format {manifest['version']}); "
+            "upgrade phalanx to load it"
         )
     manifest["path"] = str(path.resolve())
     return manifest
@@ -204,9 +208,15 @@ def verify(directory: Path, manifest: dict[str, Any], names: Iterable[str]) -> s
             return f"checkpoint file '{path}' is missing; the checkpoint is incomplete, use an earlier one"
         size = path.stat().st_size
         if size != expected["bytes"]:
-            return f"checkpoint file '{path}' is truncated or damaged ({size} bytes, {expected['bytes']} when saved); use an earlier checkpoint"
+            return (
+                f"checkpoint file '{path}' is truncated or damaged ({size} bytes, {expected['bytes']} when saved); "
+                "use an earlier checkpoint"
+            )
         if sha256(path) != expected["sha256"]:
-            return f"checkpoint file '{path}' is corrupt (its SHA-256 differs from the one recorded when it was saved); use an earlier checkpoint"
+            return (
+                f"checkpoint file '{path}' is corrupt (its SHA-256 differs from the one recorded when it was saved); "
+                "use an earlier checkpoint"
+            )
     return None
 
 

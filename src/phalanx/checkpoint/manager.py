@@ -124,9 +124,12 @@ class Checkpointer:
         layout = manifest["layout"]
         if layout != strategy.checkpoint_layout or (layout == "dcp" and manifest["strategy"] != strategy.name):
             raise PhalanxError(
-                f"checkpoint '{directory}' was written by strategy {manifest['strategy']} ({files.describe_layout(layout)}); this run uses "
-                f"{strategy.name} ({files.describe_layout(strategy.checkpoint_layout)}): resume with strategy {manifest['strategy']}, "
-                f"or export its weights (`phalanx checkpoint export {directory} model.pt`) and load them into the bare model"
+                f"checkpoint '{directory}' was written by strategy {manifest['strategy']} "
+                f"({files.describe_layout(layout)}); this run uses "
+                f"{strategy.name} ({files.describe_layout(strategy.checkpoint_layout)}): "
+                f"resume with strategy {manifest['strategy']}, "
+                f"or export its weights (`phalanx checkpoint export {directory} model.pt`) "
+                "and load them into the bare model"
             )
         self._check_models(objects, manifest, directory)
         _check_optimizers(objects, manifest, directory, weights_only)
@@ -146,7 +149,8 @@ class Checkpointer:
             if saved["world_size"] != world:
                 say(
                     f"phalanx: the checkpoint was written by {saved['world_size']} processes, this run has {world}: "
-                    "random generators start fresh (dropout masks differ from an uninterrupted run; the data order does not)"
+                    "random generators start fresh (dropout masks differ from an uninterrupted run; "
+                    "the data order does not)"
                 )
             _restore_schedulers(objects, trainer["schedulers"])
             objects.precision.load_state_dict(trainer["precision"])
@@ -253,7 +257,8 @@ class Checkpointer:
             if problem:
                 which = f"model {index}" if len(saved) > 1 else "the model"
                 raise PhalanxError(
-                    f"checkpoint '{directory}' does not fit {which}: {problem}; load it into the architecture that saved it"
+                    f"checkpoint '{directory}' does not fit {which}: {problem}; "
+                    "load it into the architecture that saved it"
                 )
 
     # -- agreement between ranks ------------------------------------------------------------------
@@ -356,7 +361,8 @@ def _check_optimizers(objects: TrainingObjects, manifest: dict[str, Any], direct
     here = _optimizer_names(objects)
     if manifest["optimizers"] != here:
         raise PhalanxError(
-            f"checkpoint '{directory}' holds optimizer(s) {manifest['optimizers'] or 'none'}, this run set up {here or 'none'}; "
+            f"checkpoint '{directory}' holds optimizer(s) {manifest['optimizers'] or 'none'}, "
+            f"this run set up {here or 'none'}; "
             "set up the same optimizers, or load only the weights: session.load(path, weights_only=True)"
         )
 

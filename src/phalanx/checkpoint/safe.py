@@ -52,8 +52,9 @@ def load_file(path: Path) -> Any:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         if "weights only" in first.lower() or "unsupported global" in str(err).lower():
             raise PhalanxError(
-                f"checkpoint file '{path}' holds Python objects other than tensors and plain values; phalanx does not unpickle them "
-                "(that could run arbitrary code). Re-save it from a trusted source with tensors only"
+                f"checkpoint file '{path}' holds Python objects other than tensors and plain values; "
+                "phalanx does not unpickle them (that could run arbitrary code). "
+                "Re-save it from a trusted source with tensors only"
             ) from None
         raise PhalanxError(f"checkpoint file '{path}' is corrupt ({first}); use an earlier checkpoint") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
@@ -86,7 +87,8 @@ class SafeReader(FileSystemReader):
             ) from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
             raise PhalanxError(
-                f"checkpoint metadata '{path}' is corrupt or not a torch.distributed.checkpoint file ({err}); nothing was executed"
+                f"checkpoint metadata '{path}' is corrupt or not a torch.distributed.checkpoint file ({err}); "
+                "nothing was executed"
             ) from None
         # What the stock reader adds after unpickling.
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -105,7 +107,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
             raise PhalanxError(
-                f"a checkpoint entry ({read_item.dest_index.fqn}) holds Python objects phalanx does not unpickle: {str(err).splitlines()[0]}"
+                f"a checkpoint entry ({read_item.dest_index.fqn}) holds Python objects phalanx does not unpickle: "
+                f"{str(err).splitlines()[0]}"
             ) from None
         if self.flatten_state_dict:
             # torch's own helper for the nested layout (what the stock planner calls here).

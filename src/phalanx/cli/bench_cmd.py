@@ -16,8 +16,9 @@ def register(commands) -> None:
         "bench",
         help="scaling report: short runs on 1..N devices, samples/s, efficiency, step-time split, chart",
         description=(
-            "Run short trainings of SCRIPT (or the demo) on 1, 2, ..., N devices through `phalanx launch`, then report samples/s, "
-            "scaling efficiency and where each step's time goes, into <run dir>/<stamp>-bench/bench.json and bench.png. "
+            "Run short trainings of SCRIPT (or the demo) on 1, 2, ..., N devices through `phalanx launch`, "
+            "then report samples/s, scaling efficiency and where each step's time goes, "
+            "into <run dir>/<stamp>-bench/bench.json and bench.png. "
             "Options go before SCRIPT; everything after it is passed to the script."
         ),
     )

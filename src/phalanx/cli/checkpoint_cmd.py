@@ -32,7 +32,10 @@ def register(commands) -> None:
     out = sub.add_parser(
         "export",
         help="write one model's weights as a plain state dict",
-        description="Write a consolidated state dict (no 'module.' prefix, whichever strategy saved it) that loads into the bare model with model.load_state_dict(torch.load(OUT)).",
+        description=(
+            "Write a consolidated state dict (no 'module.' prefix, whichever strategy saved it) "
+            "that loads into the bare model with model.load_state_dict(torch.load(OUT))."
+        ),
     )
     out.add_argument("path", help="a checkpoint directory, its parent or its 'latest' file")
     out.add_argument("out", help="the .pt file to write")
@@ -88,7 +91,8 @@ def _export(args: argparse.Namespace) -> int:
     manifest, state = export(args.path, args.out, args.model)
     count = sum(v.numel() for v in state.values())
     print(
-        f"phalanx: wrote {args.out}: {len(state)} tensors, {count:,} values of model {args.model} at step {manifest['step']} "
+        f"phalanx: wrote {args.out}: {len(state)} tensors, {count:,} values of model {args.model} "
+        f"at step {manifest['step']} "
         f"(saved by {manifest['strategy']}); load it with model.load_state_dict(torch.load('{args.out}'))"
     )
     return 0

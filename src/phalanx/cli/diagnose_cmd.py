@@ -18,7 +18,10 @@ def register(commands) -> None:
     env = commands.add_parser(
         "env",
         help="print this machine's setup for a bug report",
-        description="Print phalanx, Python, torch, OS, CPUs, memory, GPUs, the resolved config and the distributed environment variables, as one block to paste into a bug report.",
+        description=(
+            "Print phalanx, Python, torch, OS, CPUs, memory, GPUs, the resolved config "
+            "and the distributed environment variables, as one block to paste into a bug report."
+        ),
     )
     env.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_FILE} when present)")
     env.add_argument(
@@ -35,7 +38,11 @@ def register(commands) -> None:
     doctor = commands.add_parser(
         "doctor",
         help="check this machine for multi-GPU work and measure all-reduce bandwidth",
-        description="Check GPUs, links, shared memory, limits and environment variables, each with a verdict and a fix, then measure all-reduce bandwidth between local processes. Exit code 1 when a check finds a problem.",
+        description=(
+            "Check GPUs, links, shared memory, limits and environment variables, each with a verdict and a fix, "
+            "then measure all-reduce bandwidth between local processes. "
+            "Exit code 1 when a check finds a problem."
+        ),
     )
     doctor.add_argument(
         "--nproc",

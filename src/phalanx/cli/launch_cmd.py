@@ -43,7 +43,10 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         metavar="steps=A:B",
-        help="torch.profiler trace of optimizer steps A to B-1, into <run dir>/profile/ (as --set train.profile=steps=A:B)",
+        help=(
+            "torch.profiler trace of optimizer steps A to B-1, into <run dir>/profile/ "
+            "(as --set train.profile=steps=A:B)"
+        ),
     )
     parser.add_argument("--profile-ranks", metavar="LIST", help="ranks that --profile traces, e.g. 0,1 (default 0)")
     faults = parser.add_argument_group("faults and multi-node (docs/faults.md, docs/multinode.md)")
@@ -51,7 +54,10 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
         "--max-restarts",
         type=int,
         metavar="N",
-        help="restart the job up to N times after a failure, resuming from the latest checkpoint (default: launch.max_restarts, 0)",
+        help=(
+            "restart the job up to N times after a failure, resuming from the latest checkpoint "
+            "(default: launch.max_restarts, 0)"
+        ),
     )
     faults.add_argument("--nnodes", type=int, metavar="N", help="machines in the job (default 1)")
     faults.add_argument("--node-rank", type=int, metavar="I", help="this machine's index 0..N-1, with --master")
@@ -76,7 +82,10 @@ def register(commands) -> None:
     launch_parser = commands.add_parser(
         "launch",
         help="run a training script on every device (torchrun-compatible)",
-        description="Run SCRIPT on every device of this machine through torch's elastic launcher. Options go before SCRIPT; everything after it is passed to the script.",
+        description=(
+            "Run SCRIPT on every device of this machine through torch's elastic launcher. "
+            "Options go before SCRIPT; everything after it is passed to the script."
+        ),
     )
     _add_launch_options(launch_parser)
     launch_parser.add_argument("script", help="the Python training script")
@@ -86,7 +95,9 @@ def register(commands) -> None:
     demo = commands.add_parser(
         "demo",
         help="train the built-in digits CNN on every device",
-        description="Train a small CNN on the built-in UCI digits on every device and report test accuracy and samples/s.",
+        description=(
+            "Train a small CNN on the built-in UCI digits on every device and report test accuracy and samples/s."
+        ),
     )
     _add_launch_options(demo)
     demo.add_argument("--epochs", type=int, metavar="N", help="training epochs (default 12)")

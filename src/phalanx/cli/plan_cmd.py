@@ -30,7 +30,10 @@ def register(commands) -> None:
     p = commands.add_parser(
         "plan",
         help="per-device memory of each strategy before you launch",
-        description="Per-device memory of parameters, gradients, optimizer state and activations under each strategy, whether it fits, and which to use.",
+        description=(
+            "Per-device memory of parameters, gradients, optimizer state and activations under each strategy, "
+            "whether it fits, and which to use."
+        ),
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="a callable that builds your model")
@@ -170,7 +173,8 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
             console.print(f"{cls.name}: {needs}stages assumed balanced (parameters and activations / devices)")
     if measured_on:
         console.print(
-            f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} and scaled to the micro-batch"
+            f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} "
+            "and scaled to the micro-batch"
         )
         if classes:
             console.print(f"checkpointing rows recompute: {', '.join(classes)}")
@@ -180,11 +184,13 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
         )
     elif plan.recommendation is None:
         console.print(
-            f"nothing fits in {plan.device_memory / _GIB:.2f} GiB per device: lower --micro-batch, use more devices, or bf16"
+            f"nothing fits in {plan.device_memory / _GIB:.2f} GiB per device: "
+            "lower --micro-batch, use more devices, or bf16"
         )
     else:
         console.print(
-            f"recommended: {plan.recommendation.label} (the least communication that fits in 90% of {plan.device_memory / _GIB:.2f} GiB)"
+            f"recommended: {plan.recommendation.label} "
+            f"(the least communication that fits in 90% of {plan.device_memory / _GIB:.2f} GiB)"
         )
         console.print("phalanx.yaml:\n" + plan.config_lines)
 

@@ -13,11 +13,15 @@ from phalanx.tune.runner import TuneFailed, TuneOptions, parse_search, run_tune
 def register(commands) -> None:
     tune = commands.add_parser(
         "tune",
-        help="short trial runs: largest micro-batch that fits, loader workers, DDP bucket size; writes the winners into the config",
+        help=(
+            "short trial runs: largest micro-batch that fits, loader workers, DDP bucket size; "
+            "writes the winners into the config"
+        ),
         description=(
-            "Run short trainings of SCRIPT (or the demo) through `phalanx launch` to find, for this machine, the largest micro-batch "
-            "that fits in device memory, the loader workers that stop the data wait and the DDP bucket size; print every trial "
-            "and write the winners into the config file (phalanx.yaml, or --config; the previous version is kept as FILE.bak). "
+            "Run short trainings of SCRIPT (or the demo) through `phalanx launch` to find, for this machine, "
+            "the largest micro-batch that fits in device memory, the loader workers that stop the data wait "
+            "and the DDP bucket size; print every trial and write the winners into the config file "
+            "(phalanx.yaml, or --config; the previous version is kept as FILE.bak). "
             "Options go before SCRIPT; everything after it is passed to the script. See docs/tune.md."
         ),
     )
@@ -40,7 +44,9 @@ def register(commands) -> None:
         "--max-micro-batch",
         type=int,
         metavar="N",
-        help="largest micro-batch to try (default: the global batch per process; with --allow-global-batch 8 times that)",
+        help=(
+            "largest micro-batch to try (default: the global batch per process; with --allow-global-batch 8 times that)"
+        ),
     )
     tune.add_argument(
         "--allow-global-batch",

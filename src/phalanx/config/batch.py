@@ -31,7 +31,8 @@ def plan_batch(data_parallel_size: int, global_batch_size: int | None, micro_bat
     n = data_parallel_size
     if global_batch_size is None and micro_batch_size is None:
         raise ConfigError(
-            "set batch.global_batch_size (or pass a DataLoader with a batch_size) so phalanx can split it over processes"
+            "set batch.global_batch_size (or pass a DataLoader with a batch_size) "
+            "so phalanx can split it over processes"
         )
     if global_batch_size is None:
         return BatchPlan(micro_batch_size * n, micro_batch_size, 1, n)
@@ -45,8 +46,11 @@ def plan_batch(data_parallel_size: int, global_batch_size: int | None, micro_bat
     per_step = micro_batch_size * n
     if global_batch_size % per_step:
         raise ConfigError(
-            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} x {plural(n, 'process')} = {per_step}; "
-            f"use global_batch_size {_multiples_near(global_batch_size, per_step)}, or a micro_batch_size that divides {global_batch_size // n if global_batch_size % n == 0 else 'global_batch_size / processes'}"
+            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} "
+            f"x {plural(n, 'process')} = {per_step}; "
+            f"use global_batch_size {_multiples_near(global_batch_size, per_step)}, "
+            "or a micro_batch_size that divides "
+            f"{global_batch_size // n if global_batch_size % n == 0 else 'global_batch_size / processes'}"
         )
     return BatchPlan(global_batch_size, micro_batch_size, global_batch_size // per_step, n)
 

@@ -32,7 +32,10 @@ from phalanx.config.sources import resolve
 class Config(Section):
     preset: Literal["none", "throughput"] = Field(
         "none",
-        description="throughput: turn on what is safe and fast for this device, below your own settings (docs/performance.md) | none",
+        description=(
+            "throughput: turn on what is safe and fast for this device, below your own settings "
+            "(docs/performance.md) | none"
+        ),
     )
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
@@ -78,7 +81,8 @@ class Config(Section):
         compute = self.compute
         if compute.compile_mode != "default" and not compute.compile:
             raise ValueError(
-                f"compute.compile_mode={compute.compile_mode} has no effect while compute.compile is false; set compute.compile: true, or leave compile_mode at default"
+                f"compute.compile_mode={compute.compile_mode} has no effect while compute.compile is false; "
+                "set compute.compile: true, or leave compile_mode at default"
             )
         return self
 

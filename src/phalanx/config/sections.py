@@ -21,7 +21,10 @@ class DDPConfig(Section):
     first_bucket_cap_mb: Optional[float] = Field(
         None,
         gt=0,
-        description="size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner (null: every bucket is bucket_cap_mb)",
+        description=(
+            "size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner "
+            "(null: every bucket is bucket_cap_mb)"
+        ),
     )
     gradient_as_bucket_view: bool = Field(
         True, description="gradients alias the communication buckets (saves one copy of the gradients)"
@@ -31,14 +34,21 @@ class DDPConfig(Section):
     )
     find_unused_parameters: Union[bool, Literal["auto"]] = Field(
         "auto",
-        description="auto: find in the first step whether some parameter gets no gradient, then run at full speed (none) or keep searching every step (some: named once) | true: search every step (costs a graph traversal per step) | false: never",
+        description=(
+            "auto: find in the first step whether some parameter gets no gradient, then run at full speed (none) "
+            "or keep searching every step (some: named once) | "
+            "true: search every step (costs a graph traversal per step) | false: never"
+        ),
     )
     broadcast_buffers: bool = Field(
         True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward"
     )
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
         "none",
-        description="gradient compression for the all-reduce: none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)",
+        description=(
+            "gradient compression for the all-reduce: "
+            "none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)"
+        ),
     )
     powersgd_rank: int = Field(
         1, gt=0, description="powersgd: rank of the low-rank approximation (higher: more accurate, more traffic)"
@@ -63,23 +73,33 @@ class DDPConfig(Section):
 class FSDPConfig(Section):
     reshard_after_forward: bool = Field(
         True,
-        description="free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, less communication)",
+        description=(
+            "free gathered parameters after forward (ZeRO-3-like); "
+            "false keeps them until backward (ZeRO-2-like: more memory, less communication)"
+        ),
     )
     wrap: list[str] = Field(
         default_factory=list,
-        description="module class names that each become a shard unit, e.g. [TransformerBlock] (empty: automatic by size)",
+        description=(
+            "module class names that each become a shard unit, e.g. [TransformerBlock] (empty: automatic by size)"
+        ),
     )
     min_params: int = Field(
         100_000,
         gt=0,
-        description="automatic wrapping: a submodule with at least this many parameters of its own becomes a shard unit",
+        description=(
+            "automatic wrapping: a submodule with at least this many parameters of its own becomes a shard unit"
+        ),
     )
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype of gradient reduction under bf16 precision"
     )
     cpu_offload: bool = Field(
         False,
-        description="keep sharded parameters, gradients and optimizer state in CPU memory (slow; for models that do not fit otherwise)",
+        description=(
+            "keep sharded parameters, gradients and optimizer state in CPU memory "
+            "(slow; for models that do not fit otherwise)"
+        ),
     )
 
 
@@ -99,11 +119,16 @@ class PipelineConfig(Section):
 class StrategyConfig(Section):
     name: str = Field(
         "auto",
-        description="auto | single | dp | ddp | zero1 | fsdp | model_parallel | pipeline (auto: ddp with several processes, else single)",
+        description=(
+            "auto | single | dp | ddp | zero1 | fsdp | model_parallel | pipeline "
+            "(auto: ddp with several processes, else single)"
+        ),
     )
     activation_checkpointing: list[str] = Field(
         default_factory=list,
-        description="module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]",
+        description=(
+            "module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]"
+        ),
     )
     ddp: DDPConfig = Field(default_factory=DDPConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
@@ -136,7 +161,10 @@ class OptimConfig(Section):
         None,
         ge=0,
         le=1,
-        description="warm-up starts at this fraction of the target lr (null: the unscaled lr when scaling, as in Goyal et al. 2017, else 0)",
+        description=(
+            "warm-up starts at this fraction of the target lr "
+            "(null: the unscaled lr when scaling, as in Goyal et al. 2017, else 0)"
+        ),
     )
     max_grad_norm: Optional[float] = Field(
         None, gt=0, description="clip the global gradient norm before every optimizer step (null: no clipping)"
@@ -149,7 +177,10 @@ class PrecisionConfig(Section):
     )
     tf32: bool = Field(
         False,
-        description="allow TF32 matmuls and convolutions on CUDA (faster on Ampere and newer, ~1e-3 relative error); false keeps PyTorch's defaults",
+        description=(
+            "allow TF32 matmuls and convolutions on CUDA (faster on Ampere and newer, ~1e-3 relative error); "
+            "false keeps PyTorch's defaults"
+        ),
     )
     cudnn_benchmark: bool = Field(
         False, description="let cuDNN pick the fastest convolution algorithms for fixed input shapes"
@@ -159,7 +190,10 @@ class PrecisionConfig(Section):
 class DataConfig(Section):
     num_workers: Optional[Union[int, Literal["auto"]]] = Field(
         None,
-        description="loader worker processes per rank, or auto (this node's cores / its ranks - 1, at most 8) (null: keep the DataLoader's own)",
+        description=(
+            "loader worker processes per rank, or auto (this node's cores / its ranks - 1, at most 8) "
+            "(null: keep the DataLoader's own)"
+        ),
     )
     pin_memory: Optional[bool] = Field(
         None, description="page-locked host memory for faster copies (null: on with CUDA)"
@@ -170,14 +204,18 @@ class DataConfig(Section):
     prefetch_factor: Optional[int] = Field(
         None,
         gt=0,
-        description="batches each worker loads ahead; only for loaders with workers (null: the DataLoader's own, 2 by default)",
+        description=(
+            "batches each worker loads ahead; only for loaders with workers (null: the DataLoader's own, 2 by default)"
+        ),
     )
     prefetch_to_device: bool = Field(
         True, description="CUDA: copy the next batch to the GPU on a side stream while the current one computes"
     )
     drop_last: bool = Field(
         False,
-        description="drop the last incomplete global batch of each epoch instead of filling it with samples from the start",
+        description=(
+            "drop the last incomplete global batch of each epoch instead of filling it with samples from the start"
+        ),
     )
 
     @field_validator("num_workers", mode="before")
@@ -193,7 +231,8 @@ class DataConfig(Section):
         # Only where the file says 0 itself: with null or auto the count is known at setup().
         if value and info.data.get("num_workers") == 0:
             raise ValueError(
-                f"{info.field_name} applies to loader worker processes, but data.num_workers is 0; raise data.num_workers or set data.{info.field_name} to null"
+                f"{info.field_name} applies to loader worker processes, but data.num_workers is 0; "
+                f"raise data.num_workers or set data.{info.field_name} to null"
             )
         return value
 
@@ -201,19 +240,31 @@ class DataConfig(Section):
 class ComputeConfig(Section):
     compile: bool = Field(
         False,
-        description="torch.compile the model after the strategy wraps it (the first steps are slow while it compiles; strategies auto, single, ddp, zero1, fsdp)",
+        description=(
+            "torch.compile the model after the strategy wraps it "
+            "(the first steps are slow while it compiles; strategies auto, single, ddp, zero1, fsdp)"
+        ),
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
         "default",
-        description="torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune (longer compile, faster kernels)",
+        description=(
+            "torch.compile mode: default | reduce-overhead (CUDA graphs) | "
+            "max-autotune (longer compile, faster kernels)"
+        ),
     )
     channels_last: bool = Field(
         False,
-        description="convolution weights and 4-D input batches in channels-last memory format (faster convolutions on tensor-core GPUs)",
+        description=(
+            "convolution weights and 4-D input batches in channels-last memory format "
+            "(faster convolutions on tensor-core GPUs)"
+        ),
     )
     optimizer_impl: Optional[Literal["auto", "foreach", "fused", "loop"]] = Field(
         None,
-        description="optimizer kernels: auto (fused where the optimizer and device have them, else foreach on CUDA) | foreach | fused | loop (null: as the optimizer was built)",
+        description=(
+            "optimizer kernels: auto (fused where the optimizer and device have them, else foreach on CUDA) | "
+            "foreach | fused | loop (null: as the optimizer was built)"
+        ),
     )
 
 
@@ -231,7 +282,11 @@ class TrainConfig(Section):
     profile_ranks: list[int] = Field(default_factory=lambda: [0], description="ranks that write a profile trace")
     memory_cap: Optional[Union[int, str]] = Field(
         None,
-        description="largest memory each rank may use, e.g. '2GiB' (CUDA: the allocator's limit; CPU: growth of peak resident memory since session.setup()); over it, torch.OutOfMemoryError (null: no cap)",
+        description=(
+            "largest memory each rank may use, e.g. '2GiB' "
+            "(CUDA: the allocator's limit; CPU: growth of peak resident memory since session.setup()); "
+            "over it, torch.OutOfMemoryError (null: no cap)"
+        ),
     )
 
     @field_validator("memory_cap")
@@ -251,14 +306,20 @@ class CheckpointConfig(Section):
     )
     save_every: Optional[Union[int, str]] = Field(
         None,
-        description="save automatically every N optimizer steps (e.g. 500) or every period of time ('30m', '2h'); null: only when session.save() is called",
+        description=(
+            "save automatically every N optimizer steps (e.g. 500) or every period of time ('30m', '2h'); "
+            "null: only when session.save() is called"
+        ),
     )
     keep_last: Optional[int] = Field(
         3, gt=0, description="complete checkpoints to keep; older ones are deleted after each save (null: keep all)"
     )
     resume: str = Field(
         "auto",
-        description="auto: continue from the latest complete checkpoint in dir when there is one | never | the path of a checkpoint",
+        description=(
+            "auto: continue from the latest complete checkpoint in dir when there is one | "
+            "never | the path of a checkpoint"
+        ),
     )
 
     @field_validator("save_every")
@@ -283,7 +344,10 @@ class FaultsConfig(Section):
     hang_timeout: float = Field(
         300.0,
         ge=0,
-        description="seconds without progress (no step, batch or collective finishing) after which every rank's stack is printed and the job stopped; 0 turns the watchdog off",
+        description=(
+            "seconds without progress (no step, batch or collective finishing) "
+            "after which every rank's stack is printed and the job stopped; 0 turns the watchdog off"
+        ),
     )
     preempt_grace: float = Field(
         60.0,
@@ -308,7 +372,9 @@ class LaunchConfig(Section):
     max_restarts: int = Field(
         0,
         ge=0,
-        description="restart the whole job this many times after a failure; each restart resumes from the latest checkpoint",
+        description=(
+            "restart the whole job this many times after a failure; each restart resumes from the latest checkpoint"
+        ),
     )
     nnodes: int = Field(
         1, gt=0, description="machines in the job (multi-node: also node_rank and master, or rdzv_endpoint)"

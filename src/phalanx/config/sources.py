@@ -54,7 +54,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"config file '{path}' must hold a mapping of sections (strategy:, batch:, ...), not a {type(data).__name__}"
+            f"config file '{path}' must hold a mapping of sections (strategy:, batch:, ...), "
+            f"not a {type(data).__name__}"
         )
     return data
 

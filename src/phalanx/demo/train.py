@@ -23,7 +23,10 @@ def main() -> None:
         "--max-steps",
         type=int,
         default=None,
-        help="stop training after this many optimizer steps, over as many epochs as that takes (phalanx bench's short runs)",
+        help=(
+            "stop training after this many optimizer steps, over as many epochs as that takes "
+            "(phalanx bench's short runs)"
+        ),
     )
     args = parser.parse_args()
 

@@ -63,7 +63,11 @@ def gpu_visibility(facts: Facts) -> Verdict:
             name,
             PROBLEM if facts.torch_cuda else WARNING,
             f"nvidia-smi is installed but gives no answer: {driver.notes.get('nvidia-smi', '')}",
-            "the NVIDIA driver is not loaded or does not match its tools: reboot after a driver upgrade (or reload the nvidia kernel modules); in a container, start it with --gpus all (NVIDIA Container Toolkit)",
+            (
+                "the NVIDIA driver is not loaded or does not match its tools: "
+                "reboot after a driver upgrade (or reload the nvidia kernel modules); "
+                "in a container, start it with --gpus all (NVIDIA Container Toolkit)"
+            ),
         )
     if facts.torch_cuda is None and on_machine:
         wanted = (
@@ -88,7 +92,10 @@ def gpu_visibility(facts: Facts) -> Verdict:
         return Verdict(
             name,
             PROBLEM,
-            f"{setting} names {len(tokens)} GPU(s) but torch sees {seen}: CUDA ignores everything from the first entry that is not a GPU here",
+            (
+                f"{setting} names {len(tokens)} GPU(s) but torch sees {seen}: "
+                "CUDA ignores everything from the first entry that is not a GPU here"
+            ),
             f"list GPUs that exist: indices 0-{on_machine - 1} or UUIDs from `nvidia-smi -L`"
             if on_machine
             else "list GPUs that exist (`nvidia-smi -L`)",
@@ -97,7 +104,10 @@ def gpu_visibility(facts: Facts) -> Verdict:
         return Verdict(
             name,
             PROBLEM,
-            f"the driver lists {on_machine} GPU(s) but torch sees none: {facts.cuda_error or 'torch.cuda.device_count() is 0'}",
+            (
+                f"the driver lists {on_machine} GPU(s) but torch sees none: "
+                f"{facts.cuda_error or 'torch.cuda.device_count() is 0'}"
+            ),
             "see the 'torch CUDA vs driver' check; in a container, start it with --gpus all",
         )
     if tokens is None and seen < on_machine:
@@ -112,7 +122,10 @@ def gpu_visibility(facts: Facts) -> Verdict:
         return Verdict(
             name,
             OK,
-            f"torch sees {seen} GPU(s) as {setting} asks ({on_machine} on the machine): {g.describe_gpus(facts.cuda_gpus)}{one}",
+            (
+                f"torch sees {seen} GPU(s) as {setting} asks ({on_machine} on the machine): "
+                f"{g.describe_gpus(facts.cuda_gpus)}{one}"
+            ),
         )
     return Verdict(name, OK, f"torch sees every GPU: {g.describe_gpus(facts.cuda_gpus)}{one}")
 
@@ -135,14 +148,20 @@ def cuda_driver(facts: Facts) -> Verdict:
     found = (
         f"torch {facts.torch} is built for CUDA {built}; driver {facts.driver.driver or '?'} supports CUDA {supported}"
     )
-    upgrade = f"upgrade the NVIDIA driver to one that supports CUDA {built}, or install a torch build for CUDA {supported} or older (https://pytorch.org/get-started/locally/)"
+    upgrade = (
+        f"upgrade the NVIDIA driver to one that supports CUDA {built}, "
+        f"or install a torch build for CUDA {supported} or older (https://pytorch.org/get-started/locally/)"
+    )
     if _version(built)[:1] > _version(supported)[:1]:
         return Verdict(name, PROBLEM, f"{found} at most: CUDA cannot start on this driver", upgrade)
     if _version(built) > _version(supported):
         return Verdict(
             name,
             WARNING,
-            f"{found} at most: it runs through CUDA minor-version compatibility, but code compiled at run time (torch.compile, Triton, PTX) can fail with 'unsupported PTX version'",
+            (
+                f"{found} at most: it runs through CUDA minor-version compatibility, "
+                "but code compiled at run time (torch.compile, Triton, PTX) can fail with 'unsupported PTX version'"
+            ),
             upgrade,
         )
     return Verdict(name, OK, f"{found} (at least the build's version)")
@@ -165,7 +184,10 @@ def gpu_topology(facts: Facts) -> Verdict:
         return Verdict(
             name,
             SKIPPED,
-            f"`nvidia-smi topo -m` gives no GPU matrix: {facts.driver.notes.get('topology', 'no GPU rows in its output')}",
+            (
+                "`nvidia-smi topo -m` gives no GPU matrix: "
+                f"{facts.driver.notes.get('topology', 'no GPU rows in its output')}"
+            ),
         )
     kinds = {pair: g.link_kind(code) for pair, code in links.items()}
     by_kind = {
@@ -177,7 +199,11 @@ def gpu_topology(facts: Facts) -> Verdict:
         return Verdict(
             name,
             WARNING,
-            f"GPU pairs {g.pair_names(by_kind['sockets'], links)} cross CPU sockets: their traffic goes through the CPU interconnect (QPI/UPI), the slowest path, and all-reduce runs at its speed",
+            (
+                f"GPU pairs {g.pair_names(by_kind['sockets'], links)} cross CPU sockets: "
+                "their traffic goes through the CPU interconnect (QPI/UPI), the slowest path, "
+                "and all-reduce runs at its speed"
+            ),
             _subset_fix(same_socket, "on one CPU socket"),
         )
     if by_kind["nvlink"] and (by_kind["pcie"] or by_kind["unknown"]):
@@ -185,7 +211,11 @@ def gpu_topology(facts: Facts) -> Verdict:
         return Verdict(
             name,
             WARNING,
-            f"NVLink between some GPUs, PCIe only between others (pairs {g.pair_names(by_kind['pcie'] + by_kind['unknown'], links)}): a ring all-reduce runs at the speed of its slowest link",
+            (
+                "NVLink between some GPUs, PCIe only between others "
+                f"(pairs {g.pair_names(by_kind['pcie'] + by_kind['unknown'], links)}): "
+                "a ring all-reduce runs at the speed of its slowest link"
+            ),
             _subset_fix(linked, "joined by NVLink"),
         )
     if by_kind["nvlink"]:
@@ -202,7 +232,10 @@ def gpu_topology(facts: Facts) -> Verdict:
 def _subset_fix(subset: list[int], how: str) -> str:
     if len(subset) < 2:
         return "nothing to change when you need every GPU; expect lower all-reduce bandwidth"
-    return f"when fewer GPUs will do, take GPUs {how}: phalanx launch --gpus {','.join(map(str, subset))} ...; with every GPU, expect lower all-reduce bandwidth"
+    return (
+        f"when fewer GPUs will do, take GPUs {how}: phalanx launch --gpus {','.join(map(str, subset))} ...; "
+        "with every GPU, expect lower all-reduce bandwidth"
+    )
 
 
 def peer_to_peer(facts: Facts) -> Verdict:
@@ -220,8 +253,16 @@ def peer_to_peer(facts: Facts) -> Verdict:
     return Verdict(
         name,
         WARNING,
-        f"no peer-to-peer access between GPU pairs {g.pair_names(blocked)}: NCCL copies through host memory instead, usually several times slower (many consumer GPUs have it off in the driver; nothing to fix then)",
-        "on bare metal, turn on IOMMU pass-through (iommu=pt on the kernel command line) or turn off PCIe ACS in the BIOS; in a VM the hypervisor must expose peer-to-peer; `nvidia-smi topo -p2p r` shows the driver's view",
+        (
+            f"no peer-to-peer access between GPU pairs {g.pair_names(blocked)}: "
+            "NCCL copies through host memory instead, usually several times slower "
+            "(many consumer GPUs have it off in the driver; nothing to fix then)"
+        ),
+        (
+            "on bare metal, turn on IOMMU pass-through (iommu=pt on the kernel command line) "
+            "or turn off PCIe ACS in the BIOS; in a VM the hypervisor must expose peer-to-peer; "
+            "`nvidia-smi topo -p2p r` shows the driver's view"
+        ),
     )
 
 
@@ -264,7 +305,10 @@ def gpu_processes(facts: Facts) -> Verdict:
     if busy:
         found.append(
             "; ".join(
-                f"GPU {k} has {format_bytes(gpu.memory_used_bytes)} in use that no process listed here explains (another container?)"
+                (
+                    f"GPU {k} has {format_bytes(gpu.memory_used_bytes)} in use "
+                    "that no process listed here explains (another container?)"
+                )
                 for k, gpu in busy
             )
         )
@@ -284,19 +328,28 @@ def shared_memory(facts: Facts) -> Verdict:
         return Verdict(
             name, SKIPPED, "/dev/shm does not exist here (not Linux): DataLoader workers share memory another way"
         )
-    fix = "give the container more: docker run --shm-size=8g (or --ipc=host); on Kubernetes mount an emptyDir with medium: Memory at /dev/shm; or use DataLoader(num_workers=0)"
+    fix = (
+        "give the container more: docker run --shm-size=8g (or --ipc=host); "
+        "on Kubernetes mount an emptyDir with medium: Memory at /dev/shm; or use DataLoader(num_workers=0)"
+    )
     if size < SHM_MIN_BYTES:
         return Verdict(
             name,
             WARNING,
-            f"/dev/shm is {format_bytes(size)}: DataLoader workers hand batches over through it and die with 'bus error' when it fills",
+            (
+                f"/dev/shm is {format_bytes(size)}: "
+                "DataLoader workers hand batches over through it and die with 'bus error' when it fills"
+            ),
             fix,
         )
     if free is not None and free < SHM_MIN_BYTES:
         return Verdict(
             name,
             WARNING,
-            f"/dev/shm has {format_bytes(free)} free of {format_bytes(size)}: DataLoader workers die with 'bus error' when it fills",
+            (
+                f"/dev/shm has {format_bytes(free)} free of {format_bytes(size)}: "
+                "DataLoader workers die with 'bus error' when it fills"
+            ),
             "remove what crashed jobs left there (ls -la /dev/shm) or give it more room (docker run --shm-size=8g)",
         )
     return Verdict(name, OK, f"/dev/shm is {format_bytes(size)} ({format_bytes(free)} free)")
@@ -312,11 +365,19 @@ def open_files(facts: Facts) -> Verdict:
     if hard == UNLIMITED or (hard is not None and hard >= target):
         fix = f"run `ulimit -n {target}` in the shell that starts training (the hard limit allows it)"
     else:
-        fix = f"raise the hard limit ({hard}): `* - nofile {target}` in /etc/security/limits.conf, LimitNOFILE={target} for a systemd service, or docker run --ulimit nofile={target}:{target}; then `ulimit -n {target}`"
+        fix = (
+            f"raise the hard limit ({hard}): `* - nofile {target}` in /etc/security/limits.conf, "
+            f"LimitNOFILE={target} for a systemd service, or docker run --ulimit nofile={target}:{target}; "
+            f"then `ulimit -n {target}`"
+        )
     return Verdict(
         name,
         WARNING,
-        f"{soft} open files per process (below {NOFILE_MIN}): DataLoader workers hold a file descriptor per shared tensor and fail with 'Too many open files' or 'received 0 items of ancdata'",
+        (
+            f"{soft} open files per process (below {NOFILE_MIN}): "
+            "DataLoader workers hold a file descriptor per shared tensor "
+            "and fail with 'Too many open files' or 'received 0 items of ancdata'"
+        ),
         fix,
     )
 
@@ -337,7 +398,10 @@ _ENV_RULES = (
     _EnvRule(
         "NCCL_P2P_DISABLE",
         _on,
-        "turns off NVLink and PCIe peer-to-peer: NCCL routes GPU-to-GPU traffic through host memory, often several times slower",
+        (
+            "turns off NVLink and PCIe peer-to-peer: "
+            "NCCL routes GPU-to-GPU traffic through host memory, often several times slower"
+        ),
         "unset NCCL_P2P_DISABLE; it only works around broken peer-to-peer, which the peer-to-peer check tests",
     ),
     _EnvRule(
@@ -440,7 +504,10 @@ def _nccl_interface(facts: Facts) -> Verdict | None:
     return Verdict(
         "env NCCL_SOCKET_IFNAME",
         PROBLEM,
-        f"NCCL_SOCKET_IFNAME={raw} matches no network interface here ({', '.join(facts.interfaces)}): NCCL cannot start",
+        (
+            f"NCCL_SOCKET_IFNAME={raw} matches no network interface here ({', '.join(facts.interfaces)}): "
+            "NCCL cannot start"
+        ),
         f"unset it, or name an interface that exists, e.g. NCCL_SOCKET_IFNAME={_suggest(facts.interfaces)}",
     )
 
@@ -455,7 +522,10 @@ def _gloo_interface(facts: Facts) -> Verdict | None:
     return Verdict(
         "env GLOO_SOCKET_IFNAME",
         PROBLEM,
-        f"GLOO_SOCKET_IFNAME={raw} names {', '.join(missing)}, which this machine does not have ({', '.join(facts.interfaces)}): gloo cannot start",
+        (
+            f"GLOO_SOCKET_IFNAME={raw} names {', '.join(missing)}, "
+            f"which this machine does not have ({', '.join(facts.interfaces)}): gloo cannot start"
+        ),
         f"unset it, or name an interface that exists, e.g. GLOO_SOCKET_IFNAME={_suggest(facts.interfaces)}",
     )
 

@@ -98,7 +98,10 @@ def plan_live(facts: Facts, options: DoctorOptions, sizes: list[int] | None) -> 
         return Verdict(
             LIVE_CHECK,
             SKIPPED,
-            "one GPU: no all-reduce between GPUs to measure; `phalanx doctor --cpu` measures gloo between CPU processes",
+            (
+                "one GPU: no all-reduce between GPUs to measure; "
+                "`phalanx doctor --cpu` measures gloo between CPU processes"
+            ),
         )
     iters = options.iters or (allreduce.GPU_ITERS if cuda else allreduce.CPU_ITERS)
     return LivePlan(
@@ -137,7 +140,10 @@ def judge(live: LiveResult) -> Verdict:
         return Verdict(
             LIVE_CHECK,
             OK,
-            f"{found}; sizes up to {format_bytes(largest.bytes)} are too small to compare with the link's {format_rate(expected)}",
+            (
+                f"{found}; sizes up to {format_bytes(largest.bytes)} are too small to compare "
+                f"with the link's {format_rate(expected)}"
+            ),
         )
     share = largest.bus_bandwidth / expected
     if share < TOO_SLOW:
@@ -145,15 +151,24 @@ def judge(live: LiveResult) -> Verdict:
             LIVE_CHECK,
             WARNING,
             f"{found}: {share:.0%} of the {format_rate(expected)} the link gives one way",
-            "see the warnings above (NCCL_P2P_DISABLE, topology, peer-to-peer, other processes); rerun with NCCL_DEBUG=INFO and look for 'via P2P' or 'via SHM' in NCCL's channel lines",
+            (
+                "see the warnings above (NCCL_P2P_DISABLE, topology, peer-to-peer, other processes); "
+                "rerun with NCCL_DEBUG=INFO and look for 'via P2P' or 'via SHM' in NCCL's channel lines"
+            ),
         )
     return Verdict(LIVE_CHECK, OK, f"{found}: {share:.0%} of the {format_rate(expected)} the link gives one way")
 
 
 def _live_fix(plan: LivePlan) -> str:
     if plan.cuda:
-        return "rerun with NCCL_DEBUG=INFO to see which transport NCCL picks and where it stops; fix the problems and warnings above first"
-    return "rerun with TORCH_CPP_LOG_LEVEL=INFO; check that GLOO_SOCKET_IFNAME (if set) names an interface here and that no firewall blocks 127.0.0.1"
+        return (
+            "rerun with NCCL_DEBUG=INFO to see which transport NCCL picks and where it stops; "
+            "fix the problems and warnings above first"
+        )
+    return (
+        "rerun with TORCH_CPP_LOG_LEVEL=INFO; check that GLOO_SOCKET_IFNAME (if set) names an interface here "
+        "and that no firewall blocks 127.0.0.1"
+    )
 
 
 def _last_line(err: BaseException) -> str:

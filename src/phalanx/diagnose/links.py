@@ -54,7 +54,10 @@ def _nvlink(facts: Facts, links: int) -> Expectation:
     return Expectation(
         f"NVLink, {links} link{'s' if links != 1 else ''} per pair (NV{links})",
         peak,
-        f"bus bandwidth approaches {format_rate(peak)} ({links} x {format_rate(per_link)} one way) at the largest sizes",
+        (
+            f"bus bandwidth approaches {format_rate(peak)} ({links} x {format_rate(per_link)} one way) "
+            "at the largest sizes"
+        ),
     )
 
 
@@ -72,5 +75,8 @@ def _pcie(facts: Facts, nproc: int, sockets: bool) -> Expectation:
     return Expectation(
         f"PCIe Gen{gen} x{width}{across}",
         peak,
-        f"bus bandwidth reaches 60-80% of {format_rate(peak)} one way at the largest sizes{', less across sockets' if sockets else ''}",
+        (
+            f"bus bandwidth reaches 60-80% of {format_rate(peak)} one way at the largest sizes"
+            f"{', less across sockets' if sockets else ''}"
+        ),
     )

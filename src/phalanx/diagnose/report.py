@@ -79,7 +79,10 @@ def env_text(report: dict[str, Any]) -> str:
         ("CPUs", f"{report['cpus']['usable']} usable of {report['cpus']['total']}"),
         (
             "RAM",
-            f"{format_bytes(report['ram']['total_bytes'])} ({format_bytes(report['ram']['available_bytes'])} available)",
+            (
+                f"{format_bytes(report['ram']['total_bytes'])} "
+                f"({format_bytes(report['ram']['available_bytes'])} available)"
+            ),
         ),
         (
             "/dev/shm",
@@ -188,7 +191,8 @@ def live_table(live: LiveResult) -> Group:
         )
     n = live.plan.nproc
     notes = Text(
-        f"{live.plan.iters} timed iterations per size after {warmup_for(live.plan.iters)} warm-up; time = mean per all-reduce on the slowest rank\n"
+        f"{live.plan.iters} timed iterations per size after {warmup_for(live.plan.iters)} warm-up; "
+        "time = mean per all-reduce on the slowest rank\n"
         f"latency {format_seconds(live.latency or 0)} (time of the {format_bytes(live.results[0].bytes)} all-reduce)\n"
         f"bus bandwidth = algorithm bandwidth x 2(n-1)/n = x {2 * (n - 1) / n:g} for n = {n}\n"
         f"link: {live.expectation.link}; {live.expectation.note}"

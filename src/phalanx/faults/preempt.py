@@ -97,7 +97,8 @@ class TermWatch:
 
     def _too_late(self) -> None:
         print(
-            f"phalanx: rank {self.rank}: no checkpoint within faults.preempt_grace ({self.grace:g} s) of SIGTERM; stopping without one",
+            f"phalanx: rank {self.rank}: no checkpoint within faults.preempt_grace ({self.grace:g} s) of SIGTERM; "
+            "stopping without one",
             file=sys.stderr,
             flush=True,
         )

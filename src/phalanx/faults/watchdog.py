@@ -85,7 +85,8 @@ class Watchdog:
             if idle > limit:
                 during = " while reading or writing a checkpoint" if self._paused else ""
                 self._fire(
-                    f"rank {self.rank}: no progress for {idle:.1f} s{during} (faults.hang_timeout is {self.timeout:g} s)"
+                    f"rank {self.rank}: no progress for {idle:.1f} s{during} "
+                    f"(faults.hang_timeout is {self.timeout:g} s)"
                 )
                 # Give the other ranks a moment to see the marker and dump their stacks before the
                 # launcher, seeing this process gone, stops them.
@@ -105,7 +106,10 @@ class Watchdog:
         frame = sys._current_frames().get(self._main)  # noqa: SLF001 - the only way to read another thread's frame
         where = describe_wait(frame) if frame is not None else "unknown (main thread not found)"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        text = f"phalanx: hang: {headline}; waiting in {where}\nstack of rank {self.rank} (most recent call last):\n{stack}"
+        text = (
+            f"phalanx: hang: {headline}; waiting in {where}\n"
+            f"stack of rank {self.rank} (most recent call last):\n{stack}"
+        )
         self.fired = text
         print(text, file=sys.stderr, flush=True)
         if self.dump_dir is not None:

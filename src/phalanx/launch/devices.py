@@ -18,7 +18,10 @@ class DevicePlan:
 
     def describe(self) -> str:
         if self.kind == "cpu":
-            return f"{self.nproc} CPU process{'es' if self.nproc != 1 else ''} (gloo), {self.omp_num_threads} thread{'s' if self.omp_num_threads != 1 else ''} each"
+            return (
+                f"{self.nproc} CPU process{'es' if self.nproc != 1 else ''} (gloo), "
+                f"{self.omp_num_threads} thread{'s' if self.omp_num_threads != 1 else ''} each"
+            )
         return f"{self.nproc} process{'es' if self.nproc != 1 else ''} on GPU {self.cuda_visible_devices}"
 
 
@@ -51,7 +54,8 @@ def plan_devices(
     if cpu or cuda_count == 0:
         if gpus is not None and not cpu:
             raise PhalanxError(
-                f"--gpus {gpus}: no CUDA device is visible here (torch.cuda.device_count() is 0); drop --gpus to run CPU processes, or add --cpu"
+                f"--gpus {gpus}: no CUDA device is visible here (torch.cuda.device_count() is 0); "
+                "drop --gpus to run CPU processes, or add --cpu"
             )
         n = nproc or processes_per_node or CPU_DEFAULT_NPROC
         return DevicePlan("cpu", n, None, max(1, cores // n))
@@ -60,13 +64,15 @@ def plan_devices(
     missing = [i for i in ids if i >= cuda_count]
     if missing:
         raise PhalanxError(
-            f"--gpus {gpus}: GPU {', '.join(map(str, missing))} does not exist; {cuda_count} visible GPU{'s are' if cuda_count != 1 else ' is'} numbered 0-{cuda_count - 1}"
+            f"--gpus {gpus}: GPU {', '.join(map(str, missing))} does not exist; "
+            f"{cuda_count} visible GPU{'s are' if cuda_count != 1 else ' is'} numbered 0-{cuda_count - 1}"
         )
     names = [visible[i] for i in ids] if visible else [str(i) for i in ids]
     n = nproc or processes_per_node or len(ids)
     if processes_per_node is None and n > len(ids):
         raise PhalanxError(
-            f"--nproc {n} needs {n} GPUs but {len(ids)} {'are' if len(ids) != 1 else 'is'} selected; one process per GPU"
+            f"--nproc {n} needs {n} GPUs but {len(ids)} {'are' if len(ids) != 1 else 'is'} selected; "
+            "one process per GPU"
         )
     if processes_per_node is None and n < len(ids):
         names = names[:n]

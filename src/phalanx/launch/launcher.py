@@ -253,7 +253,8 @@ def _preemption_handler(run_dir: Path, grace: float) -> Iterator[None]:
             return  # a second SIGTERM: the workers already have their orders
         marker.write_text(f"{time.time()}\n", encoding="utf-8")
         print(
-            f"phalanx: SIGTERM: every rank checkpoints at the end of its step and stops (faults.preempt_grace {grace:g} s)",
+            "phalanx: SIGTERM: every rank checkpoints at the end of its step and stops "
+            f"(faults.preempt_grace {grace:g} s)",
             file=sys.stderr,
             flush=True,
         )

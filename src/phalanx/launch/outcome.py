@@ -36,7 +36,8 @@ def report_failure(run_dir: Path, failure) -> int:
     _err(f"phalanx: rank {rank} failed first ({how}): {summary}")
     if len(failed) > 1:
         _err(
-            f"phalanx: ranks that exited with an error (the others may have failed because rank {rank} did): {', '.join(map(str, failed))}"
+            f"phalanx: ranks that exited with an error (the others may have failed because rank {rank} did): "
+            f"{', '.join(map(str, failed))}"
         )
     log = _latest_log(run_dir, rank)
     tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:] if log.is_file() else []
@@ -72,11 +73,13 @@ def report_preemption(run_dir: Path) -> int:
     if record.is_file():
         saved = json.loads(record.read_text(encoding="utf-8"))
         _err(
-            f"phalanx: pre-empted: checkpoint {saved['checkpoint']} (step {saved['step']}); run the same command again to resume"
+            f"phalanx: pre-empted: checkpoint {saved['checkpoint']} (step {saved['step']}); "
+            "run the same command again to resume"
         )
         return markers.PREEMPTED_EXIT
     _err(
-        f"phalanx: stopped by SIGTERM before a checkpoint was written (no rank reached the end of a training step in time); logs in {run_dir / 'logs'}"
+        "phalanx: stopped by SIGTERM before a checkpoint was written "
+        f"(no rank reached the end of a training step in time); logs in {run_dir / 'logs'}"
     )
     return markers.TERMINATED_EXIT
 

@@ -98,7 +98,8 @@ def plan_rendezvous(
         )
     if nnodes > 1:
         raise PhalanxError(
-            f"--nnodes {nnodes} needs to know where node 0 is: add --master HOST:PORT --node-rank I, or --rdzv-endpoint HOST:PORT"
+            f"--nnodes {nnodes} needs to know where node 0 is: "
+            "add --master HOST:PORT --node-rank I, or --rdzv-endpoint HOST:PORT"
         )
     if node_rank not in (None, 0):
         raise PhalanxError(f"--node-rank {node_rank} with a single node; set --nnodes and --master too")

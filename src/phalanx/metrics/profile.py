@@ -34,7 +34,8 @@ class ProfileWindow:
         start, stop = int(match.group(1)), int(match.group(2))
         if start < 1 or stop <= start:
             raise ConfigError(
-                f"profile '{spec}' traces no step: steps=A:B needs 1 <= A < B (optimizer steps A to B-1, counted from 1), e.g. steps=5:8"
+                f"profile '{spec}' traces no step: steps=A:B needs 1 <= A < B "
+                "(optimizer steps A to B-1, counted from 1), e.g. steps=5:8"
             )
         return cls(start, stop)
 
@@ -95,7 +96,8 @@ class StepProfiler:
             self.finish()
         elif not self._done:
             print(
-                f"phalanx: no profile on rank {self.rank}: the run ended after step {last_step}, before {self.window.describe()}",
+                f"phalanx: no profile on rank {self.rank}: the run ended after step {last_step}, "
+                f"before {self.window.describe()}",
                 flush=True,
             )
         self._done = True
@@ -108,7 +110,8 @@ class StepProfiler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._profiler.export_chrome_trace(str(self.path))
         print(
-            f"phalanx: profile of {self.window.describe()} on rank {self.rank}: {self.path} (open it in https://ui.perfetto.dev or chrome://tracing)",
+            f"phalanx: profile of {self.window.describe()} on rank {self.rank}: {self.path} "
+            "(open it in https://ui.perfetto.dev or chrome://tracing)",
             flush=True,
         )
         print(top_operators(self._profiler.key_averages(), on_device=self.device.type == "cuda"), flush=True)

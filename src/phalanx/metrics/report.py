@@ -83,14 +83,16 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     found = summary["straggler"]
     if found is None:
         return [
-            f"phalanx: no straggler: no rank's own work was over {SLOW_FACTOR - 1:.0%} above the others' in {SLOW_SHARE:.0%} of the steps"
+            f"phalanx: no straggler: no rank's own work was over {SLOW_FACTOR - 1:.0%} above the others' "
+            f"in {SLOW_SHARE:.0%} of the steps"
         ]
     rows = {r["rank"]: r for r in summary["ranks"]}
     mine = rows[found["rank"]]
     others = sorted(r["data_wait_p50"] for rank, r in rows.items() if rank != found["rank"])
     line = (
-        f"phalanx: straggler: rank {found['rank']}: its own work (step time outside the gradient sync) was over {SLOW_FACTOR - 1:.0%} "
-        f"above the other ranks' in {found['slow_share']:.0%} of {found['steps']} steps, by {_ms(found['excess_s'])} a step (median)"
+        f"phalanx: straggler: rank {found['rank']}: its own work (step time outside the gradient sync) "
+        f"was over {SLOW_FACTOR - 1:.0%} above the other ranks' in {found['slow_share']:.0%} "
+        f"of {found['steps']} steps, by {_ms(found['excess_s'])} a step (median)"
     )
     wait_excess = mine["data_wait_p50"] - others[len(others) // 2]
     if wait_excess >= found["excess_s"] / 2:

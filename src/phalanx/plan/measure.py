@@ -99,7 +99,8 @@ def measure_activations(
         except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as err:
             last = err
     raise PhalanxError(
-        f"one micro-batch of shape {input_shape} does not run through the model: {type(last).__name__}: {str(last).splitlines()[0]}"
+        f"one micro-batch of shape {input_shape} does not run through the model: "
+        f"{type(last).__name__}: {str(last).splitlines()[0]}"
     )
 
 

@@ -44,8 +44,10 @@ class Compute:
         original = compiled_original(model)
         if original is not None:
             self.notes.append(
-                "phalanx: the model passed to setup() was already compiled; phalanx compiles it again after wrapping it "
-                f"(mode {self.config.compile_mode}), so set compute.compile: true instead of calling torch.compile yourself"
+                "phalanx: the model passed to setup() was already compiled; "
+                "phalanx compiles it again after wrapping it "
+                f"(mode {self.config.compile_mode}), "
+                "so set compute.compile: true instead of calling torch.compile yourself"
             )
             return original, True
         return model, False
@@ -117,7 +119,8 @@ class Compute:
         if impl == "fused":
             if not has_fused:
                 raise ConfigError(
-                    f"compute.optimizer_impl=fused: {name} has no fused implementation (in torch: Adam, AdamW, SGD, Adagrad); "
+                    f"compute.optimizer_impl=fused: {name} has no fused implementation "
+                    "(in torch: Adam, AdamW, SGD, Adagrad); "
                     "use auto (fused where there is one) or foreach"
                 )
             problem = _fusable(optimizer)
@@ -160,7 +163,10 @@ def _fusable(optimizer: torch.optim.Optimizer) -> str | None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.device.type not in devices or not torch.is_floating_point(p):
-                return f"fused kernels need floating-point parameters on {', '.join(devices)}, not {p.dtype} on {p.device.type}"
+                return (
+                    f"fused kernels need floating-point parameters on {', '.join(devices)}, "
+                    f"not {p.dtype} on {p.device.type}"
+                )
     return None
 
 

@@ -61,7 +61,8 @@ class ShardedSampler(Sampler[int]):
         self.start = 0
         if drop_last and dataset_len < multiple_of:
             raise PhalanxError(
-                f"drop_last is on (data.drop_last or the DataLoader's drop_last=True) but the dataset has {dataset_len} samples, "
+                "drop_last is on (data.drop_last or the DataLoader's drop_last=True) "
+                f"but the dataset has {dataset_len} samples, "
                 f"fewer than one global batch of {multiple_of}; lower batch.global_batch_size or turn drop_last off"
             )
 
@@ -237,7 +238,8 @@ def shard_loader(
         )
     if loader.batch_size is None:
         raise PhalanxError(
-            "phalanx shards DataLoaders built with batch_size=...; a custom batch_sampler cannot be split over processes"
+            "phalanx shards DataLoaders built with batch_size=...; "
+            "a custom batch_sampler cannot be split over processes"
         )
     shuffle = _shuffles(loader)
     drop_last = train and (options.drop_last or loader.drop_last)
@@ -288,8 +290,8 @@ def _shuffles(loader: DataLoader) -> bool:
     if isinstance(sampler, RandomSampler):
         if sampler.replacement or sampler_has_custom_num_samples(sampler):
             raise PhalanxError(
-                "the DataLoader's RandomSampler draws with replacement or a custom num_samples, which phalanx cannot split "
-                "over processes exactly; use shuffle=True without a custom sampler"
+                "the DataLoader's RandomSampler draws with replacement or a custom num_samples, "
+                "which phalanx cannot split over processes exactly; use shuffle=True without a custom sampler"
             )
         return True
     if isinstance(loader.sampler, (SequentialSampler, ShardedSampler)):
@@ -316,5 +318,6 @@ def _batch_len(batch: Any) -> int:
         if isinstance(value, (list, tuple)):
             return len(value)
     raise PhalanxError(
-        f"cannot tell the batch size of a {type(batch).__name__} batch; batches should hold tensors or lists with one entry per sample"
+        f"cannot tell the batch size of a {type(batch).__name__} batch; "
+        "batches should hold tensors or lists with one entry per sample"
     )

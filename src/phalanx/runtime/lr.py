@@ -43,7 +43,10 @@ class LRScaling:
     def describe(self) -> str:
         if self.rule == "none" and self.warmup_steps == 0:
             return "lr as given (no scaling)"
-        text = f"lr x {self.scale:.4g} ({self.rule} rule, global batch {self.global_batch_size} vs reference {self.reference_batch_size})"
+        text = (
+            f"lr x {self.scale:.4g} ({self.rule} rule, global batch {self.global_batch_size} "
+            f"vs reference {self.reference_batch_size})"
+        )
         if self.warmup_steps:
             text += f", linear warm-up over {self.warmup_steps} steps"
         return text

@@ -7,8 +7,9 @@ such allocator limit, so the Session checks after every backward and optimizer s
 process's peak resident memory has grown since ``setup()``, and raises the same exception when it is
 over the cap. Counting from ``setup()`` leaves out what was there before training: the interpreter,
 torch's libraries, the model's parameters, an in-memory dataset; what is counted is what training
-adds and what grows with the micro-batch (activations, gradients, optimizer state, buffers). This keeps the out-of-memory path (one rank failing, the job ending,
-``phalanx tune`` reading the outcome) testable on a CPU-only machine.
+adds and what grows with the micro-batch (activations, gradients, optimizer state, buffers). This
+keeps the out-of-memory path (one rank failing, the job ending, ``phalanx tune`` reading the outcome)
+testable on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ class MemoryCap:
         used = self.used_bytes()
         if used is not None and used > self.cap_bytes:
             raise torch.OutOfMemoryError(
-                f"phalanx memory cap: this process's peak resident memory grew by {format_bytes(used, unit='MiB', decimals=1)} since session.setup(), "
-                f"over train.memory_cap {format_bytes(self.cap_bytes, unit='MiB', decimals=1)}; lower batch.micro_batch_size or raise the cap"
+                "phalanx memory cap: this process's peak resident memory grew by "
+                f"{format_bytes(used, unit='MiB', decimals=1)} since session.setup(), "
+                f"over train.memory_cap {format_bytes(self.cap_bytes, unit='MiB', decimals=1)}; "
+                "lower batch.micro_batch_size or raise the cap"
             )
 
 

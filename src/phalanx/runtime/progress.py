@@ -113,7 +113,8 @@ def track(
     if console.file is not stream:
         done = _count(meter, samples_per_batch)
         print(
-            f"{description}: {done}{f'/{total}' if total is not None else ''} batches in {meter.seconds:.1f}s, {status}",
+            f"{description}: {done}{f'/{total}' if total is not None else ''} batches in "
+            f"{meter.seconds:.1f}s, {status}",
             file=stream.log,
             flush=True,
         )

@@ -74,7 +74,8 @@ class Recovery:
     def save(self) -> Path:
         if self.state.micro:
             raise PhalanxError(
-                "session.save() was called inside an accumulation window; call it after the `with session.accumulate(model):` block"
+                "session.save() was called inside an accumulation window; "
+                "call it after the `with session.accumulate(model):` block"
             )
         objects = self.objects()
         if not objects.models:

@@ -273,8 +273,8 @@ class Session:
             earlier = self.state.micro - (1 if self._in_accumulate else 0)
             if earlier > 0 and not self._in_step:
                 raise PhalanxError(
-                    "optimizer.zero_grad() was called in the middle of an accumulation window and would drop gradients; "
-                    "remove it: phalanx zeroes gradients after each optimizer step"
+                    "optimizer.zero_grad() was called in the middle of an accumulation window and would drop "
+                    "gradients; remove it: phalanx zeroes gradients after each optimizer step"
                 )
             user_zero_grad(set_to_none=set_to_none)
 
@@ -285,8 +285,8 @@ class Session:
     def _guard_step(self, optimizer, args, kwargs) -> None:
         if not self._in_step:
             raise PhalanxError(
-                "optimizer.step() was called directly; remove it (and scheduler.step()): phalanx steps both at the end of "
-                "`with session.accumulate(model):`, or call session.step() yourself"
+                "optimizer.step() was called directly; remove it (and scheduler.step()): phalanx steps both "
+                "at the end of `with session.accumulate(model):`, or call session.step() yourself"
             )
 
     def _announce(self) -> None:
@@ -379,7 +379,8 @@ class Session:
         steps = self.accumulation_steps
         if steps > 1 and not self._in_accumulate:
             raise PhalanxError(
-                f"accumulation_steps is {steps}: put the forward and session.backward(loss) inside `with session.accumulate(model):`"
+                f"accumulation_steps is {steps}: "
+                "put the forward and session.backward(loss) inside `with session.accumulate(model):`"
             )
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
@@ -406,7 +407,8 @@ class Session:
         for sched, seen in self._schedulers:
             if sched.last_epoch != seen:
                 raise PhalanxError(
-                    "scheduler.step() was called directly; remove it: phalanx steps the scheduler once per optimizer step"
+                    "scheduler.step() was called directly; remove it: "
+                    "phalanx steps the scheduler once per optimizer step"
                 )
         if self.config.optim.max_grad_norm is not None:
             for model in self._models:  # each model's norm separately
@@ -457,7 +459,8 @@ class Session:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
         # synchronised, so stepping on them would let ranks diverge.
         self.print(
-            f"phalanx: dropping {self.state.micro} micro-step(s) that did not complete a global batch at the end of the epoch"
+            f"phalanx: dropping {self.state.micro} micro-step(s) that did not complete a global batch "
+            "at the end of the epoch"
         )
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
         for opt in self._optimizers:

@@ -97,7 +97,8 @@ class Strategy:
         if cls.processes_per_node is not None and world_size != cls.processes_per_node:
             raise ConfigError(
                 f"strategy '{cls.name}' runs in {cls.processes_per_node} process, not {world_size}; "
-                f"launch with --set strategy.name={cls.name} (so the launcher starts one process) or --nproc {cls.processes_per_node}, or use strategy ddp"
+                f"launch with --set strategy.name={cls.name} (so the launcher starts one process) "
+                f"or --nproc {cls.processes_per_node}, or use strategy ddp"
             )
 
     @classmethod

@@ -104,6 +104,7 @@ def _bucket_sizes(bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> di
         return {"bucket_cap_mb": bucket_cap_mb}
     if "bucket_cap_mb_list" not in _DDP_ARGS:
         raise ConfigError(
-            f"strategy.ddp.first_bucket_cap_mb needs a torch whose DistributedDataParallel takes bucket_cap_mb_list (this is {torch.__version__}); set it to null"
+            "strategy.ddp.first_bucket_cap_mb needs a torch whose DistributedDataParallel takes bucket_cap_mb_list "
+            f"(this is {torch.__version__}); set it to null"
         )
     return {"bucket_cap_mb_list": [first_bucket_cap_mb, bucket_cap_mb]}

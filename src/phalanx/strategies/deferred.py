@@ -55,7 +55,8 @@ class DeferredOutput(torch.Tensor):
                 return candidates[0]
             if len(candidates) > 1:
                 raise PhalanxError(
-                    "strategy pipeline: the loss code uses several tensors with one row per sample; it can take the model's output and one target"
+                    "strategy pipeline: the loss code uses several tensors with one row per sample; "
+                    "it can take the model's output and one target"
                 )
         return None
 

@@ -17,7 +17,8 @@ class DataParallel(Strategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.topology.is_main:
             print(
-                "phalanx: strategy 'dp' replicates the model every step in one process; strategy 'ddp' is faster on every GPU count."
+                "phalanx: strategy 'dp' replicates the model every step in one process; "
+                "strategy 'ddp' is faster on every GPU count."
             )
         devices = list(range(torch.cuda.device_count())) if self.topology.device.type == "cuda" else None
         # Without CUDA, DataParallel simply calls the module, which keeps this path testable on CPU.

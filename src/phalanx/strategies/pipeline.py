@@ -83,7 +83,8 @@ class Pipeline(Strategy):
             raise ConfigError("strategy pipeline splits one model per Session; set up a single model")
         if not isinstance(model, nn.Sequential):
             raise ConfigError(
-                f"strategy pipeline needs an nn.Sequential model (its forward must apply its children in order), not {type(model).__name__}; "
+                "strategy pipeline needs an nn.Sequential model (its forward must apply its children in order), "
+                f"not {type(model).__name__}; "
                 "express the model as nn.Sequential(embedding, *blocks, head) or use fsdp"
             )
         opts, stages = self.config.strategy.pipeline, self.topology.world_size
@@ -129,7 +130,8 @@ class Pipeline(Strategy):
         micro = self.config.strategy.pipeline.microbatches
         if batch % micro:
             raise ConfigError(
-                f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches={micro}; choose a divisor of {batch}"
+                f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches={micro}; "
+                f"choose a divisor of {batch}"
             )
         target = loss.target(batch)
         self._pending, self._losses = (loss, target, accumulation_steps), []
@@ -250,7 +252,10 @@ class Pipeline(Strategy):
 
     def describe(self) -> str:
         opts = self.config.strategy.pipeline
-        return f"pipeline over {plural(self.topology.world_size, 'stage')} ({opts.schedule}, {opts.microbatches} micro-batches)"
+        return (
+            f"pipeline over {plural(self.topology.world_size, 'stage')} "
+            f"({opts.schedule}, {opts.microbatches} micro-batches)"
+        )
 
 
 class _PipelineModel(nn.Module):
@@ -280,7 +285,8 @@ def _split(units: list[tuple[str, nn.Module]], stages: int, split_points: list[s
         starts = sorted(names.index(p) for p in split_points)
         if len(set(starts)) != len(starts) or starts[0] == 0:
             raise ConfigError(
-                f"strategy.pipeline.split_points must be distinct children after the first ({names[0]}), or a stage is left empty"
+                "strategy.pipeline.split_points must be distinct children after the first "
+                f"({names[0]}), or a stage is left empty"
             )
         return [sum(i >= s for s in starts) for i in range(len(units))]
     if len(units) < stages:

@@ -8,8 +8,9 @@ from phalanx.tune.trials import OK, Trial
 from phalanx.util.units import format_bytes
 
 TABLE_NOTE = (
-    "samples/s: global samples per second, median step after warm-up; data wait: the share of the step the slowest rank waited "
-    "for its loader; peak memory: the largest rank's (CUDA: allocator peak; CPU: resident growth, under a memory cap only)."
+    "samples/s: global samples per second, median step after warm-up; data wait: the share of the step "
+    "the slowest rank waited for its loader; peak memory: the largest rank's (CUDA: allocator peak; "
+    "CPU: resident growth, under a memory cap only)."
 )
 
 

@@ -159,7 +159,10 @@ class _Tuner:
 
     def label(self, s: Settings) -> str:
         accumulation = s.global_batch // (s.micro * self.dp)
-        return f"micro-batch {s.micro} x {plural(accumulation, 'accumulation step')} x {plural(self.dp, 'process')} = global {s.global_batch}"
+        return (
+            f"micro-batch {s.micro} x {plural(accumulation, 'accumulation step')} x {plural(self.dp, 'process')} "
+            f"= global {s.global_batch}"
+        )
 
     # -- stages -------------------------------------------------------------------------------------
     def run(self) -> TuneResult:
@@ -168,7 +171,9 @@ class _Tuner:
         device = self.base.devices.kind
         cap = f", memory cap {o.memory_cap} per rank" if o.memory_cap else ""
         self.say(
-            f"phalanx: tune of {'the demo' if o.demo else self.script} on {plural(self.nproc, 'process' if device == 'cpu' else 'device')} ({device}, strategy {self.base.strategy}{cap}), {o.steps} steps per trial; trials in {self.directory}"
+            f"phalanx: tune of {'the demo' if o.demo else self.script} on "
+            f"{plural(self.nproc, 'process' if device == 'cpu' else 'device')} "
+            f"({device}, strategy {self.base.strategy}{cap}), {o.steps} steps per trial; trials in {self.directory}"
         )
         stages: list[StageResult] = []
         warnings: list[str] = []
@@ -180,8 +185,9 @@ class _Tuner:
         plan = announced(start.run_dir)
         if plan is None:
             raise TuneFailed(
-                f"the first trial ({start.describe_outcome()}) announced no batch plan; tune needs a script that trains through "
-                f"phalanx.Session with a training DataLoader (or batch.global_batch_size); its output is in {start.log}"
+                f"the first trial ({start.describe_outcome()}) announced no batch plan; tune needs a script that "
+                "trains through phalanx.Session with a training DataLoader (or batch.global_batch_size); "
+                f"its output is in {start.log}"
             )
         self.plan = plan
         global_batch, micro = plan.global_batch, plan.micro
@@ -198,7 +204,8 @@ class _Tuner:
                 stages.append(stage)
             elif start.outcome == OOM:
                 raise TuneFailed(
-                    f"the script's own micro-batch {micro} runs out of memory ({start.detail}); search micro-batches with --search micro-batch"
+                    f"the script's own micro-batch {micro} runs out of memory ({start.detail}); "
+                    "search micro-batches with --search micro-batch"
                 )
             if "workers" in o.search:
                 current, stage = self.workers_stage(current)
@@ -216,7 +223,8 @@ class _Tuner:
         for key in values:
             if key in code:
                 warnings.append(
-                    f"the script sets {key} in code (phalanx.Session(...)), which beats the config file: change it there, or pass --set {key}={values[key]} to launch"
+                    f"the script sets {key} in code (phalanx.Session(...)), which beats the config file: "
+                    f"change it there, or pass --set {key}={values[key]} to launch"
                 )
         config_path = Path(o.config_file) if o.config_file else Path("phalanx.yaml")
         written = None
@@ -252,7 +260,8 @@ class _Tuner:
         largest = search.largest_fitting(candidates, current.micro, fits)
         if largest is None:
             raise TuneFailed(
-                f"no micro-batch fits, not even {candidates[0]}: {tried[candidates[0]].describe_outcome()}; its output is in {tried[candidates[0]].log}"
+                f"no micro-batch fits, not even {candidates[0]}: {tried[candidates[0]].describe_outcome()}; "
+                f"its output is in {tried[candidates[0]].log}"
             )
         over = min((s for s, t in tried.items() if s > largest and t.outcome != OK), default=None)
         winner = search.fastest(
@@ -268,7 +277,10 @@ class _Tuner:
         if over is not None:
             text += f" ({over}: {tried[over].describe_outcome()})"
         elif keep and largest == per_process:
-            text += f", the whole per-process share of global batch {current.global_batch} (--allow-global-batch tries larger ones)"
+            text += (
+                f", the whole per-process share of global batch {current.global_batch} "
+                "(--allow-global-batch tries larger ones)"
+            )
         else:
             text += f", the largest tried (--max-micro-batch {most})"
             if self.base.devices.kind == "cpu" and self.base.config.train.memory_cap is None:
@@ -276,7 +288,10 @@ class _Tuner:
         if chosen.settings.micro != current.micro:
             text += f"; chosen {chosen.settings.micro}, the fastest that fits"
         elif unconfirmed is not None:
-            text += f"; kept the script's own {current.micro}: {unconfirmed.settings.micro} was faster at first, not when both ran again"
+            text += (
+                f"; kept the script's own {current.micro}: {unconfirmed.settings.micro} was faster at first, "
+                "not when both ran again"
+            )
         elif len(tried) > 1:
             text += f"; kept the script's own {current.micro}: no other measured {search.MIN_GAIN:.0%} faster"
         values: dict[str, object] = {"batch.micro_batch_size": chosen.settings.micro}
@@ -290,8 +305,10 @@ class _Tuner:
             )
             values.update(lr)
             text += (
-                f"; global batch {current.global_batch} -> {chosen.settings.global_batch}, so the learning rate is scaled by "
-                f"{search.lr_multiplier(lr):.3g} ({lr['optim.lr_scaling']} rule, reference {lr['optim.reference_batch_size']}, warm-up {lr['optim.warmup_steps']} steps)"
+                f"; global batch {current.global_batch} -> {chosen.settings.global_batch}, "
+                f"so the learning rate is scaled by {search.lr_multiplier(lr):.3g} "
+                f"({lr['optim.lr_scaling']} rule, reference {lr['optim.reference_batch_size']}, "
+                f"warm-up {lr['optim.warmup_steps']} steps)"
             )
         return chosen.settings, StageResult("micro-batch", text, values)
 
@@ -314,7 +331,10 @@ class _Tuner:
         chosen = trials[int(winner.value)]
         chosen.chosen = True
         share = chosen.data_wait_share or 0.0
-        text = f"loader workers: {int(winner.value)} (data wait {share:.0%} of the step; tried {', '.join(map(str, trials))} of up to {per_rank} per rank)"
+        text = (
+            f"loader workers: {int(winner.value)} (data wait {share:.0%} of the step; "
+            f"tried {', '.join(map(str, trials))} of up to {per_rank} per rank)"
+        )
         return chosen.settings, StageResult("workers", text, {"data.num_workers": int(winner.value)})
 
     def bucket_stage(self, current: Settings) -> tuple[Settings, StageResult]:

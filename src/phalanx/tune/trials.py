@@ -115,7 +115,8 @@ def conclude(trial: Trial, run: LaunchRun, *, nproc: int, warmup: int, steps: in
     if run.steps < steps:
         trial.outcome, trial.detail = (
             FAILED,
-            f"the script ended after {run.steps} of the {steps} steps a trial needs: raise train.epochs or lower --steps",
+            f"the script ended after {run.steps} of the {steps} steps a trial needs: "
+            "raise train.epochs or lower --steps",
         )
         return trial
     try:
