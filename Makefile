@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast lint clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(VENV)
@@ -19,6 +19,11 @@ test: $(VENV)/.installed
 # The unit tier only: one process each, no launch and no spawn; under 2 minutes on 2 cores.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit
+
+# ruff (configured in pyproject.toml): lint rules, then the formatter in check mode.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from phalanx.checkpoint import files
-from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader, load_file
 from phalanx.errors import PhalanxError
 
 
@@ -31,6 +30,9 @@ def model_state_dict(manifest: dict[str, Any], model: int = 0) -> dict[str, torc
     count = len(manifest["models"])
     if not 0 <= model < count:
         raise PhalanxError(f"the checkpoint holds {count} model(s); --model must be 0..{count - 1}")
+    # Imported here: torch.distributed.checkpoint costs every `phalanx` command most of a second.
+    from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader, load_file
+
     directory = Path(manifest["path"])
     if manifest["layout"] == "plain":
         return load_file(directory / "model.pt")[model]
