@@ -45,13 +45,13 @@ from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.runtime.precision import Precision
 from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
+from phalanx.session import collectives
 from phalanx.session.facts import describe_model_size, write_run_facts
+from phalanx.session.guards import PortingGuards
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
 from phalanx.strategies import create_strategy
 from phalanx.topology import LaunchContext, Topology
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class Session:
@@ -90,12 +90,11 @@ class Session:
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
         self.last_throughput: Throughput | None = None
         self._in_accumulate = False
-        self._in_step = False
+        self.guards = PortingGuards(self._micro_steps_before)  # stray step / zero_grad / scheduler.step
         self._unscaled = False
         self._last_loss: torch.Tensor | None = None
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._schedulers: list[tuple[LRScheduler, int]] = []
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
         self._closed = False
@@ -113,7 +112,7 @@ class Session:
             self.state,
             self._checkpointed,
             self.print,
-            self._mark_schedulers,
+            self.guards.mark_schedulers,
         )
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
@@ -193,7 +192,7 @@ class Session:
                 "leave it out of setup() and call scheduler.step(metric) yourself after each evaluation"
             )
         if isinstance(obj, LRScheduler):
-            self._schedulers.append((obj, obj.last_epoch))
+            self.guards.add_scheduler(obj)
             return obj
         raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
 
@@ -264,30 +263,12 @@ class Session:
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         optimizer = self.compute.setup_optimizer(optimizer, self.strategy.wrap_optimizer)
-        optimizer.register_step_pre_hook(self._guard_step)
-        user_zero_grad = optimizer.zero_grad
-
-        def zero_grad(set_to_none: bool = True) -> None:
-            # Harmless at a global-batch boundary (gradients are already cleared); fatal when it
-            # would drop the gradients of earlier micro-steps of this global batch.
-            earlier = self.state.micro - (1 if self._in_accumulate else 0)
-            if earlier > 0 and not self._in_step:
-                raise PhalanxError(
-                    "optimizer.zero_grad() was called in the middle of an accumulation window and would drop "
-                    "gradients; remove it: phalanx zeroes gradients after each optimizer step"
-                )
-            user_zero_grad(set_to_none=set_to_none)
-
-        optimizer.zero_grad = zero_grad
+        self.guards.guard_optimizer(optimizer)
         self._optimizers.append(optimizer)
         return optimizer
 
-    def _guard_step(self, optimizer, args, kwargs) -> None:
-        if not self._in_step:
-            raise PhalanxError(
-                "optimizer.step() was called directly; remove it (and scheduler.step()): phalanx steps both "
-                "at the end of `with session.accumulate(model):`, or call session.step() yourself"
-            )
+    def _micro_steps_before(self) -> int:
+        return self.state.micro - (1 if self._in_accumulate else 0)
 
     def _announce(self) -> None:
         if not self.is_main:
@@ -404,18 +385,13 @@ class Session:
 
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
-        for sched, seen in self._schedulers:
-            if sched.last_epoch != seen:
-                raise PhalanxError(
-                    "scheduler.step() was called directly; remove it: "
-                    "phalanx steps the scheduler once per optimizer step"
-                )
+        self.guards.check_schedulers()
         if self.config.optim.max_grad_norm is not None:
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
         multiplier = self.lr_multiplier
         base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
-        self._in_step = True
+        self.guards.in_step = True
         try:
             for opt in self._optimizers:
                 for group in opt.param_groups:
@@ -438,9 +414,9 @@ class Session:
                     warnings.filterwarnings(
                         "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
                     )
-                    for sched, _ in self._schedulers:
+                    for sched, _ in self.guards.schedulers:
                         sched.step()
-                self._mark_schedulers()
+                self.guards.mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
             lr = base[0][0] * multiplier if base else None
@@ -448,7 +424,7 @@ class Session:
                 stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr
             )
         finally:
-            self._in_step = False
+            self.guards.in_step = False
             self.state.micro = 0
             self._unscaled = False
         if self.memory_cap is not None:
@@ -483,36 +459,16 @@ class Session:
 
     def reduce(self, value: Any, op: str = "mean") -> Any:
         """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min."""
-        if op not in _REDUCE_OPS:
-            raise PhalanxError(f"reduce op '{op}' is not one of {', '.join(_REDUCE_OPS)}")
-        as_number = not isinstance(value, torch.Tensor)
-        if self.strategy.data_parallel_size == 1:
-            # One data-parallel process (pipeline stages all hold the same values).
-            return float(value) if as_number else value
-        tensor = torch.as_tensor(value, dtype=torch.float64 if as_number else None).to(self._comm_device())
-        if self.world_size > 1:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor, op=_REDUCE_OPS[op])
-            if op == "mean":
-                tensor = tensor / self.world_size
-        return tensor.item() if as_number else tensor.to(value.device)
+        return collectives.reduce(value, op, **self._collective_args())
 
     def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
         """Gather a per-batch tensor from every process, in dataset order, without the samples the
         sampler padded in; so metrics over an evaluation loader equal single-process ones exactly."""
-        if self.strategy.data_parallel_size == 1:
-            return tensor  # every process saw the same samples (one process, or pipeline stages)
-        local = tensor.to(self._comm_device()).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)
-        loader = self._active_loader
-        if loader is None or loader.train or loader.state is None:
-            return torch.cat(parts).to(tensor.device)
-        # Rank r's i-th sample sits at global position W*(start+i) + r: interleave, then cut the padding.
-        w, state = self.world_size, loader.state
-        ordered = torch.stack(parts, dim=1).flatten(0, 1)
-        keep = max(0, min(ordered.shape[0], state.dataset_len - w * state.batch_start))
-        return ordered[:keep].to(tensor.device)
+        return collectives.gather_in_order(tensor, loader=self._active_loader, **self._collective_args())
+
+    def _collective_args(self) -> dict[str, Any]:
+        dp = self.strategy.data_parallel_size
+        return {"data_parallel_size": dp, "world_size": self.world_size, "comm_device": self._comm_device()}
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
@@ -563,27 +519,12 @@ class Session:
         return TrainingObjects(
             models=self._models,
             optimizers=self._optimizers,
-            schedulers=[sched for sched, _ in self._schedulers],
+            schedulers=[sched for sched, _ in self.guards.schedulers],
             state=self.state,
             precision=self.precision,
-            internal_steps=self._internal_steps,
+            internal_steps=self.guards.stepping,
             facts={"global_batch_size": batch.global_batch_size if batch else None, "precision": self.precision.mode},
         )
-
-    def _mark_schedulers(self) -> None:
-        # What each scheduler's counter is after phalanx stepped (or a checkpoint set) it; any other
-        # change is the user's own scheduler.step().
-        self._schedulers = [(sched, sched.last_epoch) for sched, _ in self._schedulers]
-
-    @contextlib.contextmanager
-    def _internal_steps(self) -> Iterator[None]:
-        # torch's checkpoint helpers may call optimizer.step() once with zero lr to create the
-        # optimizer state they fill; the guard against stray steps must let that through.
-        previous, self._in_step = self._in_step, True
-        try:
-            yield
-        finally:
-            self._in_step = previous
 
     # -- teardown -----------------------------------------------------------------------------
     def close(self, *, sync: bool = True) -> None:

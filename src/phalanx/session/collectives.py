@@ -1,0 +1,48 @@
+"""The Session's collectives over the data-parallel processes: reduce a number or tensor, and
+gather evaluation outputs back into dataset order without the samples the sampler padded in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import PhalanxError
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def reduce(value: Any, op: str, *, data_parallel_size: int, world_size: int, comm_device: torch.device) -> Any:
+    if op not in REDUCE_OPS:
+        raise PhalanxError(f"reduce op '{op}' is not one of {', '.join(REDUCE_OPS)}")
+    as_number = not isinstance(value, torch.Tensor)
+    if data_parallel_size == 1:
+        # One data-parallel process (pipeline stages all hold the same values).
+        return float(value) if as_number else value
+    tensor = torch.as_tensor(value, dtype=torch.float64 if as_number else None).to(comm_device)
+    if world_size > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=REDUCE_OPS[op])
+        if op == "mean":
+            tensor = tensor / world_size
+    return tensor.item() if as_number else tensor.to(value.device)
+
+
+def gather_in_order(
+    tensor: torch.Tensor, *, data_parallel_size: int, world_size: int, comm_device: torch.device, loader: Any
+) -> torch.Tensor:
+    """``loader``: the evaluation loader the tensor came from (its sampler state says where the
+    padding starts), or None / a training loader (then every gathered row is kept)."""
+    if data_parallel_size == 1:
+        return tensor  # every process saw the same samples (one process, or pipeline stages)
+    local = tensor.to(comm_device).contiguous()
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local)
+    if loader is None or loader.train or loader.state is None:
+        return torch.cat(parts).to(tensor.device)
+    # Rank r's i-th sample sits at global position W*(start+i) + r: interleave, then cut the padding.
+    state = loader.state
+    ordered = torch.stack(parts, dim=1).flatten(0, 1)
+    keep = max(0, min(ordered.shape[0], state.dataset_len - world_size * state.batch_start))
+    return ordered[:keep].to(tensor.device)
