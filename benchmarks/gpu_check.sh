@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 nvidia-smi -L || true
-timeout 180 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_metrics.py tests/test_data_pipeline.py
+timeout 180 "$PY" -m pytest -q -m cuda tests/gpu
 timeout 300 "$PY" benchmarks/gpu_check.py "$@"
