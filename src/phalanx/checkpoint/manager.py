@@ -7,7 +7,8 @@
     optimizer.pt    plain layout: full optimizer state dicts                   (rank 0)
     shards/         dcp layout: torch.distributed.checkpoint, each rank its own shards
 
-Everything is loaded with ``weights_only=True`` or phalanx's allow-listed DCP reader.
+Everything is loaded with ``weights_only=True`` (model.pt and optimizer.pt memory-mapped, see
+:meth:`Checkpointer._load_plain`) or phalanx's allow-listed DCP reader.
 """
 
 from __future__ import annotations
@@ -135,11 +136,7 @@ class Checkpointer:
         _check_optimizers(objects, manifest, directory, weights_only)
         with objects.internal_steps():
             if layout == "plain":
-                for model, state in zip(objects.models, load_file(directory / MODEL)):
-                    strategy.load_model_state_dict(model, state)
-                if not weights_only:
-                    for opt, state in zip(objects.optimizers, load_file(directory / OPTIMIZER)):
-                        _load_optimizer(strategy, _model_of(objects, opt), opt, state, directory / OPTIMIZER)
+                self._load_plain(objects, directory, weights_only)
             else:
                 self._load_dcp(objects, directory / SHARDS, weights_only)
         if not weights_only:
@@ -161,6 +158,25 @@ class Checkpointer:
         return manifest
 
     # -- pieces of a checkpoint -------------------------------------------------------------------
+    def _load_plain(self, objects: TrainingObjects, directory: Path, weights_only: bool) -> None:
+        """Every rank maps the full files rather than reading them: the pages are shared through the
+        page cache, so host memory does not grow with the processes on a node. The models copy the
+        weights into their own parameters; the optimizer state a rank keeps (all of it, or its zero1
+        shard) gets its own memory before the files are let go."""
+        from phalanx.checkpoint.safe import load_mapped, own_memory
+
+        strategy = self.strategy
+        models, _ = load_mapped(directory / MODEL)
+        for model, state in zip(objects.models, models):
+            strategy.load_model_state_dict(model, state)
+        models = state = None  # let go before the optimizer file is loaded (a plain read holds one at a time)
+        if weights_only:
+            return
+        optims, mapped = load_mapped(directory / OPTIMIZER)
+        for opt, state in zip(objects.optimizers, optims):
+            _load_optimizer(strategy, _model_of(objects, opt), opt, state, directory / OPTIMIZER)
+        own_memory([c for opt in objects.optimizers for c in (opt.state, strategy.optimizer_state(opt))], mapped)
+
     def _dcp_state(self, objects: TrainingObjects) -> dict[str, Any]:
         strategy = self.strategy
         state: dict[str, Any] = {
