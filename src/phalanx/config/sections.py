@@ -107,8 +107,13 @@ class PipelineConfig(Section):
     schedule: Literal["gpipe", "1f1b"] = Field(
         "1f1b", description="gpipe: all forwards, then all backwards; 1f1b: interleaved, fewer activations held"
     )
-    microbatches: int = Field(
-        4, gt=0, description="pipeline micro-batches each micro-batch is cut into (must divide batch.micro_batch_size)"
+    microbatches: Optional[int] = Field(
+        None,
+        gt=0,
+        description=(
+            "pipeline micro-batches each micro-batch is cut into (must divide batch.micro_batch_size; "
+            "null: one per stage, at least 4)"
+        ),
     )
     split_points: list[str] = Field(
         default_factory=list,
@@ -196,7 +201,11 @@ class DataConfig(Section):
         ),
     )
     pin_memory: Optional[bool] = Field(
-        None, description="page-locked host memory for faster copies (null: on with CUDA)"
+        None,
+        description=(
+            "page-locked host memory for faster copies (null: on with CUDA when the batches come out of the "
+            "loader on the CPU; true with batches already on the GPU is refused)"
+        ),
     )
     persistent_workers: Optional[bool] = Field(
         None, description="keep loader workers alive between epochs (null: on when the loader has workers)"
@@ -346,7 +355,16 @@ class FaultsConfig(Section):
         ge=0,
         description=(
             "seconds without progress (no step, batch or collective finishing) "
-            "after which every rank's stack is printed and the job stopped; 0 turns the watchdog off"
+            "after which every rank's stack is printed and the job stopped (the first optimizer step has "
+            "first_step_timeout); 0 turns the watchdog off"
+        ),
+    )
+    first_step_timeout: float = Field(
+        1800.0,
+        ge=0,
+        description=(
+            "the watchdog's limit from the start of training until the first optimizer step finishes "
+            "(compilation, autotuning, the first collectives), at least hang_timeout; 0: no limit before the first step"
         ),
     )
     preempt_grace: float = Field(

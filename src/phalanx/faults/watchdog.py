@@ -30,6 +30,11 @@ _LIBRARY = (os.sep + "torch" + os.sep, os.sep + "phalanx" + os.sep, "threading.p
 
 
 class Watchdog:
+    """``timeout`` is faults.hang_timeout; ``first_step_timeout`` (faults.first_step_timeout, 0: no
+    limit) replaces it from :meth:`expect_first_step` (training begins) until :meth:`stepped`
+    (the first optimizer step finished): a first step compiles, autotunes and warms up
+    communication, which may take many times as long as the steps after it."""
+
     def __init__(
         self,
         timeout: float,
@@ -37,15 +42,21 @@ class Watchdog:
         run_dir: str | None,
         attempt: int = 0,
         *,
+        first_step_timeout: float = 0.0,
         exit: Callable[[int], None] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.timeout = timeout
+        self.first_step_timeout = first_step_timeout
         self.rank = rank
         # One directory per restart attempt: a restarted job must not see the last attempt's dumps.
         self.dump_dir = Path(run_dir) / HANG_DIR / f"attempt{attempt}" if run_dir else None
         self._exit = exit
+        self._clock = clock
         self._last: float | None = None  # armed by the first beat: setup may take long
         self._paused = 0
+        self._first_step = False  # between the start of training and the end of its first step
+        self.has_stepped = False
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self.fired: str | None = None
@@ -53,7 +64,18 @@ class Watchdog:
         self._thread.start()
 
     def beat(self) -> None:
-        self._last = time.monotonic()
+        self._last = self._clock()
+
+    def expect_first_step(self) -> None:
+        """Training begins: the first-step limit holds until :meth:`stepped`."""
+        if not self.has_stepped:
+            self._first_step = True
+
+    def stepped(self) -> None:
+        """An optimizer step finished: hang_timeout holds from here on."""
+        self.has_stepped = True
+        self._first_step = False
+        self.beat()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -69,25 +91,48 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
 
+    def limit(self) -> float | None:
+        """Seconds without progress that count as a hang now; None: no limit."""
+        if self._first_step:
+            if not self.first_step_timeout:
+                return None
+            limit = max(self.first_step_timeout, self.timeout)  # never shorter than a later step's
+        else:
+            limit = self.timeout
+        return max(limit, IO_TIMEOUT_S) if self._paused else limit
+
+    def overdue(self) -> str | None:
+        """Why this rank counts as hung now (the headline of its dump), or None."""
+        last, limit = self._last, self.limit()
+        if last is None or limit is None:
+            return None
+        idle = self._clock() - last
+        if idle <= limit:
+            return None
+        during = " while reading or writing a checkpoint" if self._paused else ""
+        if self._first_step:
+            setting = (
+                f"before the first optimizer step finished (faults.first_step_timeout is {self.first_step_timeout:g} s)"
+            )
+        else:
+            setting = f"(faults.hang_timeout is {self.timeout:g} s)"
+        return f"rank {self.rank}: no progress for {idle:.1f} s{during} {setting}"
+
     def _watch(self) -> None:
         poll = min(1.0, max(0.05, self.timeout / 10))
         while not self._stop.wait(poll):
             last = self._last
             if last is None:
                 continue
-            idle = time.monotonic() - last
             peer = self._peer_dump()
             if peer is not None:
+                idle = self._clock() - last
                 self._fire(f"rank {self.rank}: stopping because {peer} hung; this rank had been idle for {idle:.1f} s")
                 self._exit(HANG_EXIT)
                 return
-            limit = max(self.timeout, IO_TIMEOUT_S) if self._paused else self.timeout
-            if idle > limit:
-                during = " while reading or writing a checkpoint" if self._paused else ""
-                self._fire(
-                    f"rank {self.rank}: no progress for {idle:.1f} s{during} "
-                    f"(faults.hang_timeout is {self.timeout:g} s)"
-                )
+            headline = self.overdue()
+            if headline is not None:
+                self._fire(headline)
                 # Give the other ranks a moment to see the marker and dump their stacks before the
                 # launcher, seeing this process gone, stops them.
                 time.sleep(min(2.0, 4 * poll) if self.dump_dir is not None else 0)

@@ -55,9 +55,9 @@ def report_hang(run_dir: Path) -> int:
     attempts = sorted((run_dir / markers.HANG_DIR).glob("attempt*"), key=lambda p: int(p.name[7:] or 0))
     hang_dir = attempts[-1] if attempts else run_dir / markers.HANG_DIR
     dumps = sorted(hang_dir.glob("rank*.txt"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
-    _err(
-        f"phalanx: hang: the watchdog stopped the job (faults.hang_timeout); where each rank was ({len(dumps)} dumped):"
-    )
+    # Which limit fired (hang_timeout, or first_step_timeout before the first step) is in each
+    # rank's own headline below.
+    _err(f"phalanx: hang: the watchdog stopped the job; where each rank was ({len(dumps)} dumped):")
     for dump in dumps:
         lines = dump.read_text(encoding="utf-8", errors="replace").splitlines()
         _err(f"  {lines[0].removeprefix('phalanx: hang: ') if lines else dump.stem}")

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from phalanx._torch_compat import sampler_has_custom_num_samples
 from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
+from phalanx.runtime.pinning import choose_pin, first_batch
 from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
 from phalanx.topology import cpu_count
 from phalanx.util.tree import map_tensors
@@ -250,7 +251,9 @@ def shard_loader(
         workers = auto_workers(cpu_count(), procs_per_node)
     else:
         workers = loader.num_workers if options.num_workers is None else options.num_workers
-    pin = device.type == "cuda" if options.pin_memory is None else options.pin_memory
+    # Without workers the batches are built here, so one can be looked at (see pinning.py).
+    peek = (lambda: first_batch(loader.dataset, loader.collate_fn, device)) if workers == 0 else None
+    pin = choose_pin(options.pin_memory, device, peek)
     extra: dict[str, Any] = {"pin_memory_device": getattr(loader, "pin_memory_device", "")}
     if hasattr(loader, "in_order"):  # torch >= 2.6
         extra["in_order"] = loader.in_order

@@ -56,7 +56,9 @@ class StreamTransfer:
             copied = torch.cuda.Event()
             copied.record(self.stream)
         # The pinned source needs no guard: torch's pinned-memory cache does not reuse a block
-        # until the non-blocking copies out of it have finished.
+        # until the non-blocking copies out of it have finished. A batch already on the device (a
+        # dataset of CUDA tensors, not pinned, see pinning.py) passes through: .to() returns the
+        # same tensors, built on the compute stream, so the wait and record_stream in ready() are no-ops.
         return moved, copied
 
     def ready(self, handle: tuple[Any, torch.cuda.Event]) -> Any:

@@ -52,7 +52,13 @@ class Recovery:
         faults = config.faults
         launched = topology.launched
         self.watchdog = (
-            Watchdog(faults.hang_timeout, topology.rank, self.run_dir, topology.restart_count)
+            Watchdog(
+                faults.hang_timeout,
+                topology.rank,
+                self.run_dir,
+                topology.restart_count,
+                first_step_timeout=faults.first_step_timeout,
+            )
             if launched and faults.hang_timeout > 0
             else None
         )
@@ -124,6 +130,8 @@ class Recovery:
     def ensure_resumed(self) -> None:
         """Before training starts: continue from a checkpoint when checkpoint.resume says so (and
         always after torch elastic restarted the job)."""
+        if self.watchdog is not None:
+            self.watchdog.expect_first_step()  # training begins here; the first step gets its own limit
         if self.resume_checked or not self.objects().models:
             return
         self.resume_checked = True
@@ -149,7 +157,8 @@ class Recovery:
 
     # -- at every optimizer step ----------------------------------------------------------------------
     def after_step(self) -> None:
-        self.beat()
+        if self.watchdog is not None:
+            self.watchdog.stepped()
         every = self.config.checkpoint.save_every
         stop, timed = self.agreement.poll(self.state.step, bool(self.term and self.term.requested))
         if stop:

@@ -16,12 +16,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.config.schema import PipelineConfig
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.deferred import DeferredOutput
 from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
+
+# strategy.pipeline.microbatches: null gives one pipeline micro-batch per stage, and never fewer
+# than this: fewer would leave the stages idle for most of each step (the bubble).
+MIN_DEFAULT_MICROBATCHES = 4
+
+
+def pipeline_microbatches(settings: PipelineConfig, stages: int) -> int:
+    """The pipeline micro-batches each micro-batch is cut into on ``stages`` stages: the user's
+    strategy.pipeline.microbatches, or for null max(4, stages) (1F1B needs one per stage)."""
+    if settings.microbatches is not None:
+        return settings.microbatches
+    return max(MIN_DEFAULT_MICROBATCHES, stages)
 
 
 class Pipeline(Strategy):
@@ -47,22 +60,29 @@ class Pipeline(Strategy):
         self._pending: tuple[DeferredOutput, torch.Tensor | None, int] | None = None
         self._losses: list[torch.Tensor] = []
         self._batch = 0  # the training micro-batch size the stages were built for
+        self.microbatches = pipeline_microbatches(config.strategy.pipeline, topology.world_size)
 
     @classmethod
     def check_settings(cls, config, world_size, device) -> None:
         opts = config.strategy.pipeline
-        # torch's 1F1B schedule raises this inside setup() otherwise; GPipe runs with fewer.
-        if world_size is not None and opts.schedule == "1f1b" and opts.microbatches < world_size:
+        if world_size is None:
+            return
+        # torch's 1F1B schedule raises this inside setup() otherwise; GPipe runs with fewer. null
+        # is never fewer (see pipeline_microbatches).
+        if opts.schedule == "1f1b" and opts.microbatches is not None and opts.microbatches < world_size:
             raise ConfigError(
                 f"strategy.pipeline.microbatches={opts.microbatches} is fewer than the {world_size} pipeline stages "
                 f"(one per process), but schedule 1f1b needs at least one per stage; set "
                 f"strategy.pipeline.microbatches={world_size} or more (dividing the micro-batch), "
                 "or strategy.pipeline.schedule=gpipe"
             )
+        micro = config.batch.micro_batch_size
+        if micro is not None and micro % pipeline_microbatches(opts, world_size):
+            raise ConfigError(cannot_cut(micro, opts, world_size))
 
     @classmethod
-    def micro_batch_multiple(cls, config) -> int:
-        return config.strategy.pipeline.microbatches  # each micro-batch is cut into these
+    def micro_batch_multiple(cls, config, world_size) -> int:
+        return pipeline_microbatches(config.strategy.pipeline, world_size)  # each micro-batch is cut into these
 
     @classmethod
     def data_parallel_size_for(cls, world_size: int) -> int:
@@ -98,7 +118,7 @@ class Pipeline(Strategy):
         schedule = ScheduleGPipe if opts.schedule == "gpipe" else Schedule1F1B
         # scale_grads would divide every gradient the stage holds, also those accumulated by
         # earlier micro-steps; the loss is divided instead (see _loss).
-        self._schedule = schedule(stage, n_microbatches=opts.microbatches, loss_fn=self._loss, scale_grads=False)
+        self._schedule = schedule(stage, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
         return _PipelineModel(self)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -127,12 +147,8 @@ class Pipeline(Strategy):
                 f"strategy pipeline needs training micro-batches of one size: got {batch} samples after {self._batch}; "
                 "use a map-style dataset (phalanx pads every epoch to whole batches) or drop the last partial batch"
             )
-        micro = self.config.strategy.pipeline.microbatches
-        if batch % micro:
-            raise ConfigError(
-                f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches={micro}; "
-                f"choose a divisor of {batch}"
-            )
+        if batch % self.microbatches:
+            raise ConfigError(cannot_cut(batch, self.config.strategy.pipeline, self.topology.world_size))
         target = loss.target(batch)
         self._pending, self._losses = (loss, target, accumulation_steps), []
         rank = self.topology.rank
@@ -156,7 +172,7 @@ class Pipeline(Strategy):
         value = deferred.replay(output, target, target_chunk)
         # Each pipeline micro-batch's loss is a mean over its chunk: dividing by their number and
         # by the accumulation steps makes the summed gradients those of the whole global batch.
-        return value / (steps * self.config.strategy.pipeline.microbatches)
+        return value / (steps * self.microbatches)
 
     def forward_only(self, *args: torch.Tensor) -> torch.Tensor:
         """Evaluation: the batch passes the stages one after the other (no schedule: torch's stages
@@ -254,7 +270,7 @@ class Pipeline(Strategy):
         opts = self.config.strategy.pipeline
         return (
             f"pipeline over {plural(self.topology.world_size, 'stage')} "
-            f"({opts.schedule}, {opts.microbatches} micro-batches)"
+            f"({opts.schedule}, {self.microbatches} micro-batches)"
         )
 
 
@@ -271,6 +287,24 @@ class _PipelineModel(nn.Module):
             return DeferredOutput(args)
         with torch.no_grad():
             return self._strategy.forward_only(*args)
+
+
+def cannot_cut(batch: int, settings: PipelineConfig, stages: int) -> str:
+    """Why a micro-batch of ``batch`` samples cannot be cut into the pipeline micro-batches, and the fix."""
+    if settings.microbatches is not None:
+        return (
+            f"the micro-batch of {batch} samples cannot be cut into strategy.pipeline.microbatches="
+            f"{settings.microbatches}; choose a divisor of {batch}"
+        )
+    count = pipeline_microbatches(settings, stages)
+    # Under 1F1B a divisor of the batch is enough only if it still gives every stage one.
+    gpipe = " with strategy.pipeline.schedule=gpipe" if settings.schedule == "1f1b" and batch < stages else ""
+    return (
+        f"the micro-batch of {batch} samples cannot be cut into {count} pipeline micro-batches "
+        f"(strategy.pipeline.microbatches is null: one per stage, at least {MIN_DEFAULT_MICROBATCHES}); "
+        f"make batch.micro_batch_size a multiple of {count}, or set strategy.pipeline.microbatches to a divisor "
+        f"of {batch}{gpipe}"
+    )
 
 
 def _split(units: list[tuple[str, nn.Module]], stages: int, split_points: list[str]) -> list[int]:

@@ -243,7 +243,7 @@ class _Tuner:
         most = o.max_micro_batch or (per_process if keep else 8 * per_process)
         if most < current.micro:
             raise TuneFailed(f"--max-micro-batch {most} is below the script's own micro-batch {current.micro}")
-        multiple = strategy_class(self.base.strategy).micro_batch_multiple(self.base.config)
+        multiple = strategy_class(self.base.strategy).micro_batch_multiple(self.base.config, self.nproc)
         candidates = search.micro_candidates(
             per_process, current.micro, keep_global=keep, most=most, multiple_of=multiple
         )
