@@ -157,7 +157,11 @@ def main() -> None:
     for repeat in range(args.repeats):
         for label, overrides in variants:
             times = phalanx.spawn(
-                measure, nprocs=args.nproc, args=(overrides, args.micro_batch, args.warmup, args.steps), timeout=900
+                measure,
+                nprocs=args.nproc,
+                args=(overrides, args.micro_batch, args.warmup, args.steps),
+                timeout=900,
+                cpu=True,
             )[0]
             steps[label].extend(times)
             print(f"  repeat {repeat + 1}: {label}: median step {statistics.median(times) * 1e3:.1f} ms", flush=True)

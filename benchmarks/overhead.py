@@ -118,7 +118,9 @@ def main() -> None:
             if repeat % 2:  # alternate who goes first, so drift and warm caches favour no one
                 order.reverse()
             for name, fn in order:
-                out = phalanx.spawn(fn, nprocs=n, args=(args.micro_batch, args.warmup, args.steps), timeout=600)[0]
+                out = phalanx.spawn(
+                    fn, nprocs=n, args=(args.micro_batch, args.warmup, args.steps), timeout=600, cpu=True
+                )[0]
                 runs.setdefault((name, n), []).append(out)
                 print(
                     f"  repeat {repeat + 1}/{args.repeats} {name:8s} x{n}: {out['samples_per_s']:9.1f} samples/s",

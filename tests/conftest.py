@@ -1,4 +1,5 @@
-"""Session-wide fixtures for every tier: no test may leave a process behind."""
+"""Session-wide fixtures for every tier: no test may leave a process behind, and a test marked
+``@pytest.mark.cuda(gpus=N)`` runs only where N CUDA devices are visible."""
 
 from __future__ import annotations
 
@@ -39,3 +40,33 @@ def no_leftover_processes():
         time.sleep(0.2)
         left = _processes_with(token.encode())
     assert not left, f"processes left behind: {sorted(left)}"
+
+
+def gpus_needed(mark: pytest.Mark) -> int:
+    """``@pytest.mark.cuda`` asks for one GPU, ``@pytest.mark.cuda(gpus=N)`` for N."""
+    return int(mark.kwargs.get("gpus", 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [(item, item.get_closest_marker("cuda")) for item in items]
+    marked = [(item, mark) for item, mark in marked if mark is not None]
+    if not marked:
+        return
+    import torch  # only when a CUDA test is collected
+
+    found = torch.cuda.device_count()
+    for item, mark in marked:
+        needed = gpus_needed(mark)
+        if found < needed:
+            reason = f"needs {needed} CUDA device{'s' if needed != 1 else ''}, found {found}"
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def gpus(request) -> int:
+    """The number of GPUs the test's ``@pytest.mark.cuda(gpus=N)`` asked for; they are there (the
+    test is skipped otherwise), numbered 0 to N-1."""
+    mark = request.node.get_closest_marker("cuda")
+    if mark is None:
+        pytest.fail("the gpus fixture is for tests marked @pytest.mark.cuda(gpus=N)")
+    return gpus_needed(mark)

@@ -28,6 +28,8 @@ class LaunchContext:
     run_dir: str | None = None
     show_ranks: str = "0"  # "0" or "all"
     force_cpu: bool = False
+    # gloo for CUDA tensors too, so several processes can share one GPU (NCCL refuses two ranks on a device).
+    gloo_on_cuda: bool = False
 
     def to_env(self) -> dict[str, str]:
         payload = {
@@ -36,6 +38,7 @@ class LaunchContext:
             "run_dir": self.run_dir,
             "show_ranks": self.show_ranks,
             "force_cpu": self.force_cpu,
+            "gloo_on_cuda": self.gloo_on_cuda,
         }
         return {ENV_CONTEXT: json.dumps(payload)}
 
@@ -52,6 +55,7 @@ class LaunchContext:
             run_dir=data.get("run_dir"),
             show_ranks=data.get("show_ranks", "0"),
             force_cpu=bool(data.get("force_cpu", False)),
+            gloo_on_cuda=bool(data.get("gloo_on_cuda", False)),
         )
 
     @property
@@ -71,6 +75,7 @@ class Topology:
     agent_store: tuple[str, int] | None = None
     launched: bool = False  # True under torchrun / phalanx launch / phalanx.spawn
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    gloo_on_cuda: bool = False  # see LaunchContext.gloo_on_cuda
 
     @property
     def is_main(self) -> bool:
@@ -82,13 +87,13 @@ class Topology:
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
+        return "nccl" if self.device.type == "cuda" and not self.gloo_on_cuda else "gloo"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, force_cpu: bool | None = None) -> "Topology":
         env = os.environ if env is None else env
+        ctx = LaunchContext.from_env(env)
         if force_cpu is None:
-            ctx = LaunchContext.from_env(env)
             force_cpu = bool(ctx and ctx.force_cpu)
         launched = "RANK" in env and "WORLD_SIZE" in env
         local_rank = int(env.get("LOCAL_RANK", 0))
@@ -105,6 +110,7 @@ class Topology:
             else None,
             launched=launched,
             device=pick_device(local_rank, force_cpu),
+            gloo_on_cuda=bool(ctx and ctx.gloo_on_cuda),
         )
 
 

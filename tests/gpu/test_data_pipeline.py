@@ -14,7 +14,6 @@ from tests.helpers.loaders import sharded
 # -- the CUDA path -------------------------------------------------------------------------------
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_stream_prefetch_yields_the_plain_path_batches_from_a_side_stream(monkeypatch, workers):
     device = torch.device("cuda", 0)
     data = TensorDataset(torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))

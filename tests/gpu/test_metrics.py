@@ -10,7 +10,6 @@ from tests.helpers.metrics import run_session
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_records_peak_memory_and_mfu_where_the_gpu_is_known(capsys):
     session = run_session(steps=8, precision="bf16")
     session.close()

@@ -12,7 +12,6 @@ MIB = 2**20
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_memory_cap_on_cuda_is_the_allocators_limit():
     device = torch.device("cuda", torch.cuda.current_device())
     MemoryCap(256 * MIB, device)
@@ -27,7 +26,6 @@ def test_memory_cap_on_cuda_is_the_allocators_limit():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.timeout(240)
 def test_tune_finds_the_largest_micro_batch_under_the_cuda_allocator_cap(tmp_path):
     # One GPU: global batch 48 is 48 per process; the cap is the caching allocator's, a real CUDA OOM.

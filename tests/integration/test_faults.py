@@ -60,7 +60,13 @@ def _launch(tmp_path: Path, out: str, *args: str, env: dict | None = None, timeo
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     return run_phalanx(
-        "launch", *args, str(script), cwd=tmp_path, timeout=timeout, env={"OUT": str(tmp_path / out), **(env or {})}
+        "launch",
+        "--cpu",
+        *args,
+        str(script),
+        cwd=tmp_path,
+        timeout=timeout,
+        env={"OUT": str(tmp_path / out), **(env or {})},
     )
 
 
@@ -106,7 +112,7 @@ def test_sigterm_preemption_checkpoints_then_resumes(tmp_path, reference):
     script.write_text(SCRIPT)
     env = {**os.environ, "OUT": str(tmp_path / "out.pt"), "STEP_SLEEP": "0.15"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "launch", "--nproc", "2", str(script)],
+        [sys.executable, "-m", "phalanx", "launch", "--cpu", "--nproc", "2", str(script)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -198,7 +204,7 @@ def test_crashing_rank_stops_the_job_within_seconds(tmp_path):
         """
         )
     )
-    result = run_phalanx("launch", "--nproc", "2", str(script), cwd=tmp_path, timeout=90)
+    result = run_phalanx("launch", "--cpu", "--nproc", "2", str(script), cwd=tmp_path, timeout=90)
     ended = time.time()
     assert result.returncode == 1, result.output
     assert ended - float((tmp_path / "crashed").read_text()) < 10
@@ -222,7 +228,7 @@ def test_hang_is_detected_and_every_rank_stack_printed(tmp_path):
         )
     )
     started = time.monotonic()
-    result = run_phalanx("launch", "--nproc", "2", str(script), cwd=tmp_path, timeout=90)
+    result = run_phalanx("launch", "--cpu", "--nproc", "2", str(script), cwd=tmp_path, timeout=90)
     assert result.returncode == 124, result.output
     assert time.monotonic() - started < 3 + 25  # the timeout, start-up and the dumps
     err = result.stderr
@@ -236,7 +242,9 @@ def test_hang_is_detected_and_every_rank_stack_printed(tmp_path):
 def test_user_error_is_not_retried(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text("import phalanx\nphalanx.Session(batch={'global_batch_size': 15})\n")
-    result = run_phalanx("launch", "--nproc", "2", "--max-restarts", "3", str(script), cwd=tmp_path, timeout=90)
+    result = run_phalanx(
+        "launch", "--cpu", "--nproc", "2", "--max-restarts", "3", str(script), cwd=tmp_path, timeout=90
+    )
     assert result.returncode == 2, result.output
     assert result.stderr.count("phalanx: error:") == 1 and "Traceback" not in result.stderr
 
@@ -267,7 +275,7 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path, reference):
     ]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "phalanx", "launch", *common, "--node-rank", str(rank), str(script)],
+            [sys.executable, "-m", "phalanx", "launch", "--cpu", *common, "--node-rank", str(rank), str(script)],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,

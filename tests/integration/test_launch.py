@@ -21,7 +21,7 @@ def only_run_dir(cwd: Path) -> Path:
 
 
 def test_plain_torchrun_script_runs_unchanged(tmp_path):
-    result = run_phalanx("launch", "--nproc", "2", str(EXAMPLES / "torchrun_plain.py"), cwd=tmp_path)
+    result = run_phalanx("launch", "--cpu", "--nproc", "2", str(EXAMPLES / "torchrun_plain.py"), cwd=tmp_path)
     assert result.returncode == 0, result.output
     assert "rank 0 (local 0) of 2: sum of ranks+1 = 3" in result.stdout
     assert "rank 1 (local 1)" not in result.stdout  # rank 0 only by default
@@ -31,7 +31,7 @@ def test_plain_torchrun_script_runs_unchanged(tmp_path):
 
 
 def test_ranks_all_prefixes_every_line(tmp_path):
-    result = run_phalanx("launch", "--ranks", "all", str(EXAMPLES / "torchrun_plain.py"), cwd=tmp_path)
+    result = run_phalanx("launch", "--cpu", "--ranks", "all", str(EXAMPLES / "torchrun_plain.py"), cwd=tmp_path)
     assert result.returncode == 0, result.output
     lines = result.stdout.splitlines()
     assert "[rank 0] rank 0 (local 0) of 2: sum of ranks+1 = 3" in lines
@@ -55,7 +55,16 @@ def test_script_arguments_and_config_reach_the_workers(tmp_path):
     )
     (tmp_path / "my.yaml").write_text("train:\n  epochs: 7\n")
     result = run_phalanx(
-        "launch", "--config", "my.yaml", "--set", "precision.mode=bf16", "show.py", "--lr", "3e-4", cwd=tmp_path
+        "launch",
+        "--cpu",
+        "--config",
+        "my.yaml",
+        "--set",
+        "precision.mode=bf16",
+        "show.py",
+        "--lr",
+        "3e-4",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.output
     assert "args ['--lr', '3e-4'] mode bf16 epochs 7 world 2 strategy ddp" in result.stdout
@@ -64,7 +73,7 @@ def test_script_arguments_and_config_reach_the_workers(tmp_path):
 
 
 def test_two_jobs_at_once_do_not_collide(tmp_path):
-    cmd = [sys.executable, "-m", "phalanx", "launch", str(EXAMPLES / "torchrun_plain.py")]
+    cmd = [sys.executable, "-m", "phalanx", "launch", "--cpu", str(EXAMPLES / "torchrun_plain.py")]
     procs = [
         subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for _ in range(2)
@@ -88,7 +97,7 @@ def test_a_failing_rank_is_named(tmp_path):
             """
         )
     )
-    result = run_phalanx("launch", "crash.py", cwd=tmp_path, timeout=120)
+    result = run_phalanx("launch", "--cpu", "crash.py", cwd=tmp_path, timeout=120)
     assert result.returncode == 1
     assert "phalanx: rank 1 failed first (exit code 1): ValueError: boom on rank 1" in result.stderr
     assert "| ValueError: boom on rank 1" in result.stderr  # tail of its log
@@ -96,7 +105,7 @@ def test_a_failing_rank_is_named(tmp_path):
 
 def test_user_error_inside_a_worker_is_one_line(tmp_path):
     (tmp_path / "bad.py").write_text("import phalanx\nphalanx.Session(batch={'global_batch_size': 5})\n")
-    result = run_phalanx("launch", "bad.py", cwd=tmp_path, timeout=120)
+    result = run_phalanx("launch", "--cpu", "bad.py", cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "phalanx: error: global_batch_size 5 cannot be split evenly over 2 processes; "
@@ -105,34 +114,51 @@ def test_user_error_inside_a_worker_is_one_line(tmp_path):
 
 
 BAD_INPUT = [
-    (["launch", "missing.py"], "script 'missing.py' not found"),
-    (["launch", "--gpus", "0,1", "ok.py"], "--gpus 0,1: no CUDA device is visible here"),
+    (["launch", "--cpu", "missing.py"], "script 'missing.py' not found"),
     (
-        ["launch", "--set", "precision.mode=fp8", "ok.py"],
+        ["launch", "--cpu", "--set", "precision.mode=fp8", "ok.py"],
         "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16' or 'fp16'",
     ),
     (
-        ["launch", "--set", "batch.global_batch_size=64", "--set", "batch.micro_batch_size=24", "ok.py"],
+        ["launch", "--cpu", "--set", "batch.global_batch_size=64", "--set", "batch.micro_batch_size=24", "ok.py"],
         "global_batch_size 64 is not a multiple of micro_batch_size 24 x 2 processes = 48",
     ),
     (
-        ["launch", "--set", "strategy.name=zero9", "ok.py"],
+        ["launch", "--cpu", "--set", "strategy.name=zero9", "ok.py"],
         "unknown strategy 'zero9' in strategy.name; choose one of: auto, single, dp, ddp",
     ),
-    (["launch", "--config", "broken.yaml", "ok.py"], "config file 'broken.yaml' line 3 is not valid YAML"),
-    (["launch", "--config", "nope.yaml", "ok.py"], "config file 'nope.yaml' not found"),
-    (["launch", "--set", "strategy.name=dp", "--nproc", "2", "ok.py"], "strategy 'dp' runs in 1 process, not 2"),
-    (["launch", "--set", "precision", "ok.py"], "--set expects section.key=value"),
-    (["launch", "--nproc", "two", "ok.py"], "argument --nproc: invalid int value: 'two'"),
-    (["launch"], "the following arguments are required: script"),
+    (["launch", "--cpu", "--config", "broken.yaml", "ok.py"], "config file 'broken.yaml' line 3 is not valid YAML"),
+    (["launch", "--cpu", "--config", "nope.yaml", "ok.py"], "config file 'nope.yaml' not found"),
+    (
+        ["launch", "--cpu", "--set", "strategy.name=dp", "--nproc", "2", "ok.py"],
+        "strategy 'dp' runs in 1 process, not 2",
+    ),
+    (["launch", "--cpu", "--set", "precision", "ok.py"], "--set expects section.key=value"),
+    (["launch", "--cpu", "--nproc", "two", "ok.py"], "argument --nproc: invalid int value: 'two'"),
+    (["launch", "--cpu"], "the following arguments are required: script"),
 ]
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
 def test_bad_input_is_one_line_before_any_process(tmp_path, args, message):
+    _write_inputs(tmp_path)
+    _assert_refused_before_any_process(tmp_path, run_phalanx(*args, cwd=tmp_path, timeout=60), message)
+
+
+def test_gpus_where_no_gpu_is_visible_is_one_line(tmp_path):
+    # An empty CUDA_VISIBLE_DEVICES hides every GPU: the same refusal on any machine.
+    # (tests/gpu/test_launch_gpus.py has the case of a GPU that does not exist.)
+    _write_inputs(tmp_path)
+    result = run_phalanx("launch", "--gpus", "0,1", "ok.py", cwd=tmp_path, timeout=60, env={"CUDA_VISIBLE_DEVICES": ""})
+    _assert_refused_before_any_process(tmp_path, result, "--gpus 0,1: no CUDA device is visible here")
+
+
+def _write_inputs(tmp_path: Path) -> None:
     (tmp_path / "ok.py").write_text("print('should not run')\n")
     (tmp_path / "broken.yaml").write_text("strategy:\n  name: [ddp\n")
-    result = run_phalanx(*args, cwd=tmp_path, timeout=60)
+
+
+def _assert_refused_before_any_process(tmp_path: Path, result, message: str) -> None:
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -141,7 +167,7 @@ def test_bad_input_is_one_line_before_any_process(tmp_path, args, message):
 
 
 def test_demo_reaches_its_accuracy(tmp_path):
-    result = run_phalanx("demo", cwd=tmp_path, timeout=180)
+    result = run_phalanx("demo", "--cpu", cwd=tmp_path, timeout=180)
     assert result.returncode == 0, result.output
     assert "test accuracy" in result.stdout and "samples/s" in result.stdout
     assert "global batch 64 = micro batch 32 x 1 accumulation step x 2 processes" in result.stdout
@@ -158,7 +184,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
     (tmp_path / "sleepy.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "launch", "sleepy.py"],
+        [sys.executable, "-m", "phalanx", "launch", "--cpu", "sleepy.py"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -51,6 +51,7 @@ def test_the_run_config_holds_the_flags_and_reproduces_the_run(tmp_path):
     assert lines["nproc"].split("#")[0].split(":")[1].strip() == "2" and lines["nproc"].endswith("# --set")
     assert lines["cpu"].split("#")[0].split(":")[1].strip() == "true" and lines["cpu"].endswith("# --set")
 
+    # device: launch.cpu from the run's config.yaml
     again = run_phalanx("launch", "--config", str(run_dir / "config.yaml"), "train.py", cwd=tmp_path, timeout=180)
     assert again.returncode == 0, again.output
     assert "2 CPU processes (gloo)" in again.stdout

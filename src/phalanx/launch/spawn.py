@@ -16,7 +16,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from phalanx.errors import PhalanxError
 from phalanx.topology import LaunchContext, cpu_count
+
+BACKENDS = ("auto", "gloo")
 
 
 def spawn(
@@ -25,19 +28,42 @@ def spawn(
     args: Sequence[Any] = (),
     *,
     timeout: float | None = 300.0,
-    cpu: bool = True,
+    cpu: bool | None = None,
+    backend: str = "auto",
     start_method: str = "spawn",
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``nprocs`` processes; returns each rank's return value, by rank.
+
+    ``cpu``: None (the default) uses CUDA when torch sees a GPU, as ``phalanx launch`` does, and CPU
+    processes on gloo otherwise; True always runs CPU processes; False puts process r on ``cuda:r``
+    (modulo the GPU count). ``backend``: ``"auto"`` is NCCL on CUDA and gloo on CPU; ``"gloo"`` uses
+    gloo for CUDA tensors too, so several processes can share one GPU (for DDP and zero1: gloo
+    all-reduces and broadcasts CUDA tensors, NCCL refuses two ranks on one GPU).
 
     ``fn`` must be importable (defined in a module, not a notebook cell) with the default ``spawn``
     start method. After ``timeout`` seconds every process is killed and ``TimeoutError`` raised; if
     one process raises, the others are stopped and its traceback re-raised here.
     """
+    if backend not in BACKENDS:
+        raise PhalanxError(f"phalanx.spawn: backend must be 'auto' or 'gloo', got {backend!r}")
+    # device_count, not is_available: it asks NVML, which leaves start_method='fork' usable.
+    gpus = 0 if cpu else torch.cuda.device_count()
+    if cpu is None:
+        cpu = gpus == 0
+    if not cpu and backend == "auto" and 0 < gpus < nprocs:
+        raise PhalanxError(
+            f"phalanx.spawn: {nprocs} processes on NCCL need {nprocs} GPUs but {gpus} "
+            f"{'is' if gpus == 1 else 'are'} visible; pass backend='gloo' to share GPUs, or cpu=True"
+        )
     port = _free_port()
+    launch = LaunchContext(force_cpu=cpu, gloo_on_cuda=backend == "gloo")
     with tempfile.TemporaryDirectory(prefix="phalanx-spawn-") as tmp:
         context = mp.start_processes(
-            _entry, args=(fn, tuple(args), nprocs, port, tmp, cpu), nprocs=nprocs, join=False, start_method=start_method
+            _entry,
+            args=(fn, tuple(args), nprocs, port, tmp, launch),
+            nprocs=nprocs,
+            join=False,
+            start_method=start_method,
         )
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -53,7 +79,7 @@ def spawn(
 
 
 def _entry(
-    local_rank: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int, out_dir: str, cpu: bool
+    local_rank: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int, out_dir: str, launch: LaunchContext
 ) -> None:
     os.environ.update(
         {
@@ -63,10 +89,10 @@ def _entry(
             "LOCAL_WORLD_SIZE": str(nprocs),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            **LaunchContext(force_cpu=cpu).to_env(),
+            **launch.to_env(),
         }
     )
-    if cpu:
+    if launch.force_cpu:
         # As `phalanx launch` does with OMP_NUM_THREADS: share the cores instead of oversubscribing them.
         torch.set_num_threads(max(1, cpu_count() // nprocs))
     try:

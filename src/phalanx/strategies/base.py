@@ -76,8 +76,9 @@ class Strategy:
         return cls.shards
 
     @classmethod
-    def micro_batch_multiple(cls, config: Config) -> int:
-        """The micro-batch size must be a multiple of this (pipeline: its pipeline micro-batches)."""
+    def micro_batch_multiple(cls, config: Config, world_size: int) -> int:
+        """The micro-batch size on ``world_size`` processes must be a multiple of this (pipeline:
+        its pipeline micro-batches)."""
         return 1
 
     @classmethod
@@ -122,11 +123,13 @@ class Strategy:
         alone = self.topology.world_size == 1
         if dist.is_initialized() or (alone and not self.needs_process_group):
             return
-        backend = "gloo" if self.topology.device.type != "cuda" else "cpu:gloo,cuda:nccl"
+        nccl = self.topology.backend == "nccl"
+        backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"  # gloo takes CUDA tensors too (gloo_on_cuda)
         kwargs: dict[str, Any] = {}
         if self.topology.device.type == "cuda":
             torch.cuda.set_device(self.topology.device)
-            kwargs["device_id"] = self.topology.device
+            if nccl:  # binds NCCL's communicator to this GPU; gloo has none to bind
+                kwargs["device_id"] = self.topology.device
         if alone:
             kwargs["store"] = dist.HashStore()  # in memory: no launcher variables, no network port
         elif self.topology.agent_store is not None:
