@@ -1,9 +1,47 @@
 #!/usr/bin/env bash
-# On a machine with one CUDA GPU: the CUDA tests, then the precision and speed checks, in one go
-# (under 8 minutes on a recent GPU). Prints a table last. Set-up as usual: `make setup` first.
-set -euo pipefail
+# On a machine with a CUDA GPU: every part runs whatever the one before did, each is reported
+# (passed/failed, exit code, seconds), and the exit code is non-zero when any failed.
+#   1. the CUDA tests (tests/gpu; they skip without a GPU), at most 300 s
+#   2. benchmarks/gpu_check.py (every CUDA path one GPU can run; about 7 minutes on an H200, at most
+#      540 s), its arguments passed on, e.g. --out runs/gpu-check.json
+# Set-up as usual: `make setup` first. PY picks the interpreter (default .venv/bin/python).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-nvidia-smi -L || true
-timeout 180 "$PY" -m pytest -q -m cuda tests/gpu
-timeout 300 "$PY" benchmarks/gpu_check.py "$@"
+export PYTHONUNBUFFERED=1  # the parts' progress shows as it happens, through tee
+
+names=()
+codes=()
+times=()
+lasts=()
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+part() {  # part NAME COMMAND...: run it, remember its exit code, time and last line of output
+    local name=$1 started rc
+    shift
+    echo "== gpu_check.sh: $name: $*"
+    started=$(date +%s)
+    "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    names+=("$name")
+    codes+=("$rc")
+    times+=("$(($(date +%s) - started))")
+    lasts+=("$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | cut -c1-150)")
+    echo "== gpu_check.sh: $name: exit $rc"
+}
+
+nvidia-smi -L || echo "gpu_check.sh: nvidia-smi not found or no GPU listed"
+part "CUDA tests (tests/gpu)" timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/gpu
+part "gpu_check.py" timeout 540 "$PY" benchmarks/gpu_check.py "$@"
+
+echo
+echo "gpu_check.sh summary:"
+failed=0
+for i in "${!names[@]}"; do
+    rc=${codes[$i]}
+    if [ "$rc" -eq 0 ]; then verdict=passed; else verdict=failed; failed=1; fi
+    if [ "$rc" -eq 124 ]; then verdict="failed (timed out)"; fi
+    printf '  %-24s %-20s exit %3d  %5ss  %s\n' "${names[$i]}" "$verdict" "$rc" "${times[$i]}" "${lasts[$i]}"
+done
+exit $failed

@@ -66,12 +66,36 @@ def test_mixed_precision_on_gpu_learns_like_fp32(mode):
     session.close()
 
 
-def test_tf32_switch_follows_config():
+@pytest.fixture(autouse=True)
+def cuda_math_switches():
+    """precision.tf32 and cudnn_benchmark set process-wide switches: put them back after every test, so
+    a later comparison with a CPU reference does not run its matmuls in TF32."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
+
+
+def test_tf32_true_turns_tf32_on_and_false_leaves_it_as_it_is():
+    # docs/precision.md: true sets both switches; false (the default) leaves both as they are.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    Session(Config(), strategy="single", train={"progress": False}).close()
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     session = Session(Config(), strategy="single", precision={"tf32": True}, train={"progress": False})
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     session.close()
     Session(Config(), strategy="single", train={"progress": False}).close()
-    assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # false never turns it off
+
+
+def test_cudnn_benchmark_true_turns_it_on_and_false_leaves_it_as_it_is():
+    torch.backends.cudnn.benchmark = False
+    Session(Config(), strategy="single", train={"progress": False}).close()
+    assert not torch.backends.cudnn.benchmark
+    Session(Config(), strategy="single", precision={"cudnn_benchmark": True}, train={"progress": False}).close()
+    assert torch.backends.cudnn.benchmark
+    Session(Config(), strategy="single", train={"progress": False}).close()
+    assert torch.backends.cudnn.benchmark
 
 
 def test_model_parallel_on_the_visible_gpus_matches_cpu_reference():
