@@ -89,6 +89,12 @@ class Topology:
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" and not self.gloo_on_cuda else "gloo"
 
+    @property
+    def comm_device(self) -> torch.device:
+        """Where the tensors of phalanx's own small collectives live: NCCL takes only CUDA tensors,
+        gloo is fastest with CPU ones."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, force_cpu: bool | None = None) -> "Topology":
         env = os.environ if env is None else env

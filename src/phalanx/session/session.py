@@ -107,7 +107,7 @@ class Session:
             config,
             self.topology,
             run_dir,
-            self._comm_device(),
+            self.topology.comm_device,
             checkpointer,
             self.state,
             self._checkpointed,
@@ -468,15 +468,12 @@ class Session:
 
     def _collective_args(self) -> dict[str, Any]:
         dp = self.strategy.data_parallel_size
-        return {"data_parallel_size": dp, "world_size": self.world_size, "comm_device": self._comm_device()}
+        return {"data_parallel_size": dp, "world_size": self.world_size, "comm_device": self.topology.comm_device}
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
         self.recovery.beat()
-
-    def _comm_device(self) -> torch.device:
-        return self.device if self.topology.backend == "nccl" else torch.device("cpu")
 
     # -- output -----------------------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:

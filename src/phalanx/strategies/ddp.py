@@ -49,8 +49,9 @@ class DDP(Strategy):
         )
         if opts.comm_hook != "none":
             self._register_hook(wrapped)
-        comm_device = device if self.topology.backend == "nccl" else torch.device("cpu")
-        self._unused.append(UnusedParameters(wrapped, opts.find_unused_parameters, comm_device, self.topology.is_main))
+        self._unused.append(
+            UnusedParameters(wrapped, opts.find_unused_parameters, self.topology.comm_device, self.topology.is_main)
+        )
         return wrapped
 
     def backward(self, loss: torch.Tensor, precision, accumulation_steps: int) -> torch.Tensor:
