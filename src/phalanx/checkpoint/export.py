@@ -3,6 +3,7 @@ one model as a plain state dict (no ``module.`` prefix, whichever strategy saved
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -35,7 +36,14 @@ def model_state_dict(manifest: dict[str, Any], model: int = 0) -> dict[str, torc
 
     directory = Path(manifest["path"])
     if manifest["layout"] == "plain":
-        return load_file(directory / "model.pt")[model]
+        models = load_file(directory / "model.pt")
+        state = models[model] if isinstance(models, list) and len(models) == count else None
+        if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
+            raise PhalanxError(
+                f"checkpoint file '{directory / 'model.pt'}' does not hold the {count} model state dict(s) "
+                "its manifest lists; use an earlier checkpoint"
+            )
+        return state
     import torch.distributed.checkpoint as dcp
 
     reader = SafeReader(str(directory / "shards"))
@@ -55,14 +63,50 @@ def model_state_dict(manifest: dict[str, Any], model: int = 0) -> dict[str, torc
 
 def export(path: str | Path, out: str | Path, model: int = 0) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Write model ``model``'s consolidated state dict to ``out`` (atomically); returns both."""
+    out = Path(out)
+    try:
+        _check_output(out)  # before the checkpoint is read and hashed, which can take long
+    except OSError as err:  # a name too long, a directory that may not be searched
+        raise PhalanxError(f"cannot write '{out}' ({err.strerror or err}); choose another output path") from None
     manifest = open_checkpoint(path)
     state = model_state_dict(manifest, model)
-    out = Path(out)
+    _write(state, out)
+    return manifest, state
+
+
+def _check_output(out: Path) -> None:
+    if "\x00" in str(out):
+        raise PhalanxError(f"the output path {str(out)!r} holds a NUL character; give a file path")
     if out.is_dir():
         raise PhalanxError(f"'{out}' is a directory; give the file to write, e.g. {out / 'model.pt'}")
+    if out.exists() and not out.is_file():
+        # os.replace would put the export in place of a device, FIFO or socket.
+        raise PhalanxError(f"'{out}' exists and is not a regular file; give the path of a file to write")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise PhalanxError(f"'{out.parent}' is a file, not a directory; choose an output path inside a directory")
     if not out.parent.is_dir():
         raise PhalanxError(f"directory '{out.parent}' does not exist; create it or choose another output path")
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
-    return manifest, state
+
+
+def _write(state: dict[str, torch.Tensor], out: Path) -> None:
+    """Into a temporary file beside ``out``, renamed over it: a failed export leaves no partial file.
+    The temporary name is short, so that an ``out`` near the file system's name limit still fits."""
+    tmp = out.parent / f".phalanx-export-{os.getpid()}.tmp"
+    done = False
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+        done = True
+    except (OSError, RuntimeError) as err:
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
+        raise PhalanxError(
+            f"cannot write '{out}' ({reason}); choose an output path in a writable directory with enough free space"
+        ) from None
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
