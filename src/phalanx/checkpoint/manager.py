@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.checkpoint import files
+from phalanx.checkpoint import contents, files
 from phalanx.errors import PhalanxError
 from phalanx.topology import Topology
 from phalanx.version import __version__
@@ -140,8 +140,8 @@ class Checkpointer:
             else:
                 self._load_dcp(objects, directory / SHARDS, weights_only)
         if not weights_only:
-            trainer = load_file(directory / TRAINER)
-            saved = load_file(directory / RNG)
+            trainer = contents.trainer(load_file(directory / TRAINER), directory / TRAINER)
+            saved = contents.rng(load_file(directory / RNG), directory / RNG)
             world = self.topology.world_size
             if saved["world_size"] != world:
                 say(
@@ -167,12 +167,14 @@ class Checkpointer:
 
         strategy = self.strategy
         models, _ = load_mapped(directory / MODEL)
+        models = contents.models(models, len(objects.models), directory / MODEL)
         for model, state in zip(objects.models, models):
-            strategy.load_model_state_dict(model, state)
+            _load_model(strategy, model, state, directory / MODEL)
         models = state = None  # let go before the optimizer file is loaded (a plain read holds one at a time)
         if weights_only:
             return
         optims, mapped = load_mapped(directory / OPTIMIZER)
+        optims = contents.optimizers(optims, len(objects.optimizers), directory / OPTIMIZER)
         for opt, state in zip(objects.optimizers, optims):
             _load_optimizer(strategy, _model_of(objects, opt), opt, state, directory / OPTIMIZER)
         own_memory([c for opt in objects.optimizers for c in (opt.state, strategy.optimizer_state(opt))], mapped)
@@ -341,6 +343,16 @@ def _same_group_dicts(optimizer) -> Iterator[None]:
         if old is not new:
             old.update(new)
     optimizer.param_groups[:] = before
+
+
+def _load_model(strategy, model: nn.Module, state: dict, path: Path) -> None:
+    try:
+        strategy.load_model_state_dict(model, state)
+    except (ValueError, KeyError, RuntimeError) as err:  # keys or shapes the manifest did not describe
+        raise PhalanxError(
+            f"the weights in '{path}' do not fit the model ({str(err).strip().splitlines()[0]}); "
+            "use an earlier checkpoint, or load it into the architecture that saved it"
+        ) from None
 
 
 def _load_optimizer(strategy, model: nn.Module, optimizer, state: dict, path: Path) -> None:
