@@ -138,7 +138,7 @@ def _threads_per_process(device: str, counts: list[int]) -> int | None:
     A value the user exported wins, as it does in the launcher; None leaves the launcher's choice."""
     exported = user_omp_threads()
     if device != "cpu" or exported is not None:
-        return int(exported) if exported and exported.isdigit() else None
+        return int(exported) if exported and exported.isascii() and exported.isdigit() else None
     return max(1, cpu_count() // max(counts))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
 
 import torch
@@ -83,13 +84,26 @@ def register(commands) -> None:
     p.set_defaults(run=_run)
 
 
+# Each numeric flag: (attribute, what it must be, the smallest value, the largest). Beyond the
+# largest nothing is planned that exists, and the arithmetic would leave floats (1e400 is inf).
+_NUMBERS = {
+    "--params": ("params", "a positive count, at most 1e15", 1, 1e15),
+    "--micro-batch": ("micro_batch", "at least 1 (and at most 2147483647)", 1, 2**31 - 1),
+    "--devices": ("devices", "at least 1 (and at most 1048576)", 1, 2**20),
+    "--device-memory": ("device_memory", "a positive number of GiB, at most 1048576", math.ulp(0), 2**20),
+}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, (attribute, rule, least, most) in _NUMBERS.items():
+        value = getattr(args, attribute)
+        if value is not None and not least <= value <= most:  # nan compares false: refused too
+            shown = f"{value:g}" if isinstance(value, float) else value
+            raise PhalanxError(f"{flag} must be {rule}, got {shown}")
+
+
 def _run(args: argparse.Namespace) -> int:
-    if args.micro_batch < 1:
-        raise PhalanxError(f"--micro-batch must be at least 1, got {args.micro_batch}")
-    if args.devices is not None and args.devices < 1:
-        raise PhalanxError(f"--devices must be at least 1, got {args.devices}")
-    if args.device_memory is not None and args.device_memory <= 0:
-        raise PhalanxError(f"--device-memory must be a positive number of GiB, got {args.device_memory:g}")
+    _check_numbers(args)
     devices = args.devices or (torch.cuda.device_count() or 2)
     memory = args.device_memory * _GIB if args.device_memory is not None else _gpu_memory()
     activations = checkpointed = trainable = None
@@ -97,8 +111,6 @@ def _run(args: argparse.Namespace) -> int:
     classes: list[str] = []
     measured_on = None
     if args.params is not None:
-        if args.params < 1:
-            raise PhalanxError(f"--params must be a positive count, got {args.params:g}")
         n_params = int(args.params)
     else:
         path, shape, dtype = EXAMPLES[args.example] if args.example else (args.model, None, "float")
@@ -213,7 +225,10 @@ def _parse_kv(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise PhalanxError(f"--model-arg expects key=value, got '{text}'")
-    return key, yaml.safe_load(value)
+    try:
+        return key, yaml.safe_load(value)
+    except (yaml.YAMLError, RecursionError):  # as with --set: text that is not YAML is the text itself
+        return key, value
 
 
 def _repeated_block(model) -> list[str]:

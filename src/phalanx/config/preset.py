@@ -60,6 +60,8 @@ def apply_preset(tree: dict[str, Any], sources: dict[str, str], defaults: Mappin
             _put(tree, key, defaults[key])
             sources[key] = "default"
     name = tree.get("preset", "none")
+    if not isinstance(name, str):
+        return  # not a preset's name: validation names the value
     for key, value in preset_values(name, kind).items():
         if sources.get(key, "default") == "default":
             _put(tree, key, value)
@@ -82,4 +84,6 @@ def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for part in parents:
         tree = tree.setdefault(part, {})
+        if not isinstance(tree, dict):
+            return  # a section given as a value: validation names it
     tree[leaf] = value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal, Optional, Union
 
@@ -9,18 +10,46 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from phalanx.util.sizes import size_bytes
 
+# Every whole number ends up in a C integer somewhere (a seed, a tensor size, a timeout); beyond
+# 64 bits it would overflow there, long after the config was accepted.
+INT64 = (-(2**63), 2**63 - 1)
+A_WEEK = 7 * 24 * 3600.0  # seconds: the longest timeout that still means something
+ONE_TIB_IN_MIB = 1024.0 * 1024  # DDP turns bucket sizes into a byte count of C++'s int64
+MAX_NPROC = 1024  # processes on one machine: beyond any node's GPUs or cores
+MAX_NNODES = 65536
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # and str.splitlines()'s line breaks
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: inf, nan and 1e400 (inf once parsed) are refused by every float setting: no
+    # setting means anything at infinity, and each would fail later where it becomes an int.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _representable(cls, value):
+        # Beside the numbers, text: no setting means a control character, a NUL byte fits in no
+        # path nor environment variable (the workers get the --set lines in one), and a line break
+        # would split the one-line error that names the value.
+        for item in value if isinstance(value, list) else (value,):
+            if isinstance(item, int) and not isinstance(item, bool) and not INT64[0] <= item <= INT64[1]:
+                raise ValueError(f"must be between {INT64[0]} and {INT64[1]} (a 64-bit integer)")
+            if isinstance(item, str) and CONTROL_CHARACTERS.search(item):
+                raise ValueError("must not contain control characters or line breaks")
+        return value
 
 
 class DDPConfig(Section):
     bucket_cap_mb: float = Field(
-        25.0, gt=0, description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces"
+        25.0,
+        gt=0,
+        le=ONE_TIB_IN_MIB,
+        description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces",
     )
     first_bucket_cap_mb: Optional[float] = Field(
         None,
         gt=0,
+        le=ONE_TIB_IN_MIB,
         description=(
             "size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner "
             "(null: every bucket is bucket_cap_mb)"
@@ -303,9 +332,16 @@ class TrainConfig(Section):
     def _size(cls, value):
         if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
             raise ValueError("memory_cap must be a positive size such as '2GiB', '512MiB' or a number of bytes")
-        if isinstance(value, str) and not size_bytes(value):
+        if isinstance(value, str) and not _size_in_int64(value):
             raise ValueError(f"memory_cap '{value}' is not a size; write e.g. '2GiB', '512MiB' or a number of bytes")
         return value
+
+
+def _size_in_int64(text: str) -> bool:
+    try:
+        return 0 < (size_bytes(text) or 0) <= INT64[1]
+    except OverflowError:  # hundreds of digits read as a float: inf
+        return False
 
 
 class CheckpointConfig(Section):
@@ -343,8 +379,8 @@ class CheckpointConfig(Section):
 
 def parse_period(text: str) -> float | None:
     """'90s' / '30m' / '2h' (also 'min') -> seconds; a bare number is steps, not a period."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)\s*", text)
-    if not match or float(match.group(1)) <= 0:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)\s*", text, re.ASCII)
+    if not match or not 0 < float(match.group(1)) < math.inf:  # 400 nines read as inf
         return None
     return float(match.group(1)) * {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[match.group(2)]
 
@@ -353,6 +389,7 @@ class FaultsConfig(Section):
     hang_timeout: float = Field(
         300.0,
         ge=0,
+        le=A_WEEK,
         description=(
             "seconds without progress (no step, batch or collective finishing) "
             "after which every rank's stack is printed and the job stopped (the first optimizer step has "
@@ -362,6 +399,7 @@ class FaultsConfig(Section):
     first_step_timeout: float = Field(
         1800.0,
         ge=0,
+        le=A_WEEK,
         description=(
             "the watchdog's limit from the start of training until the first optimizer step finishes "
             "(compilation, autotuning, the first collectives), at least hang_timeout; 0: no limit before the first step"
@@ -370,6 +408,7 @@ class FaultsConfig(Section):
     preempt_grace: float = Field(
         60.0,
         gt=0,
+        le=A_WEEK,
         description="seconds a SIGTERM'd job gets to finish its step and write a checkpoint before it is killed",
     )
 
@@ -379,10 +418,15 @@ class LaunchConfig(Section):
     --set launch.nproc=4), so a run's config.yaml holds them too."""
 
     nproc: Optional[int] = Field(
-        None, gt=0, description="processes per node (null: one per visible GPU, or 2 on a CPU-only machine)"
+        None,
+        gt=0,
+        le=MAX_NPROC,
+        description="processes per node (null: one per visible GPU, or 2 on a CPU-only machine)",
     )
     gpus: Optional[str] = Field(None, description="comma-separated GPU indices to use, e.g. '0,2' (null: all visible)")
-    cpu: bool = Field(False, description="run CPU processes on gloo even when GPUs are present (gpus is then ignored)")
+    cpu: bool = Field(
+        False, description="run CPU processes on gloo even when GPUs are present (gpus must then be null)"
+    )
     ranks: Literal["0", "all"] = Field(
         "0", description="whose output the terminal shows: 0 (rank 0 only) or all (each line prefixed [rank N])"
     )
@@ -395,10 +439,13 @@ class LaunchConfig(Section):
         ),
     )
     nnodes: int = Field(
-        1, gt=0, description="machines in the job (multi-node: also node_rank and master, or rdzv_endpoint)"
+        1,
+        gt=0,
+        le=MAX_NNODES,
+        description="machines in the job (multi-node: also node_rank and master, or rdzv_endpoint)",
     )
     node_rank: Optional[int] = Field(
-        None, ge=0, description="this machine's index, 0..nnodes-1, with master (static rendezvous)"
+        None, ge=0, lt=MAX_NNODES, description="this machine's index, 0..nnodes-1, with master (static rendezvous)"
     )
     master: Optional[str] = Field(
         None, description="host:port of node 0, where the rendezvous store listens (static rendezvous, with node_rank)"
@@ -425,6 +472,41 @@ class LaunchConfig(Section):
                 },
             }
         return data
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_list(cls, value):
+        if value is not None:
+            gpu_indices(value)
+        return value
+
+    @field_validator("master", "rdzv_endpoint")
+    @classmethod
+    def _host_port(cls, value):
+        if value is not None:
+            host, sep, port = value.rpartition(":")
+            if not sep or not host.strip("[]") or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+                raise ValueError("expects HOST:PORT with a port 1-65535 (e.g. node01:29500)")
+        return value
+
+    @model_validator(mode="after")
+    def _cpu_or_gpus(self):
+        if self.cpu and self.gpus is not None:
+            raise ValueError(
+                f"launch.cpu runs CPU processes only, but launch.gpus picks GPUs '{self.gpus}'; drop one of the two"
+            )
+        return self
+
+
+def gpu_indices(text: str) -> list[int]:
+    """``'0,2'`` -> ``[0, 2]``; ValueError (a phrase that follows the setting's name) otherwise."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(re.fullmatch(r"[0-9]{1,9}", part) for part in parts):
+        raise ValueError("expects comma-separated GPU indices such as 0,2")
+    ids = [int(part) for part in parts]
+    if len(set(ids)) != len(ids):
+        raise ValueError("names a GPU twice")
+    return ids
 
 
 # Sections that accept a bare value in code as shorthand for one field: Session(strategy="ddp").

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from phalanx.config.preset import apply_preset, device_kind
-from phalanx.config.sections import SHORTHAND, flatten
+from phalanx.config.sections import CONTROL_CHARACTERS, SHORTHAND, flatten
 from phalanx.errors import ConfigError
 from phalanx.topology import LaunchContext
 
@@ -30,7 +30,11 @@ T = TypeVar("T", bound=BaseModel)
 def read_file(path: str | Path) -> dict[str, Any]:
     """Parse a YAML or TOML config file into a dict; errors name the file and the fix."""
     path = Path(path)
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except (OSError, ValueError) as err:  # a name too long, a NUL byte
+        raise ConfigError(f"config file '{path}' cannot be opened: {err}; fix the path") from None
+    if not found:
         raise ConfigError(f"config file '{path}' not found; create one with `phalanx config init` or fix the path")
     try:
         text = path.read_text(encoding="utf-8")
@@ -41,6 +45,10 @@ def read_file(path: str | Path) -> dict[str, Any]:
             data = tomllib.loads(text)
         else:
             data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(
+            f"config file '{path}' nests too deeply to be a config; sections are two levels deep"
+        ) from None
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
         where = ""
         mark = getattr(err, "problem_mark", None)
@@ -65,12 +73,24 @@ def parse_override(line: str, schema: type[BaseModel]) -> tuple[str, Any]:
     key, sep, raw = line.partition("=")
     key = key.strip()
     if not sep or not key or ("." not in key and key not in _top_level_values(schema)):
-        raise ConfigError(f"--set expects section.key=value (e.g. precision.mode=bf16), got '{line}'")
+        raise ConfigError(one_line(f"--set expects section.key=value (e.g. precision.mode=bf16), got '{line}'"))
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # not YAML (or nested past any setting): the text itself
         value = raw
     return key, value
+
+
+def check_overrides(schema: type[BaseModel], lines: Iterable[str], names: Mapping[str, str]) -> None:
+    """Validate ``--set`` lines on their own (every other setting at its default) by the schema's
+    rules, naming a bad value by ``names[key]`` (the flag that stands for the key)."""
+    tree = schema().model_dump()
+    sources = {k: "default" for k in flatten(tree)}
+    _merge(tree, _nest(dict(parse_override(line, schema) for line in lines)), "--set", sources)
+    try:
+        schema.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err, sources, schema, names)) from None
 
 
 def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,26 +127,73 @@ def _code_sections(sections: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def describe_validation_error(err: ValidationError, sources: Mapping[str, str], schema: type[BaseModel]) -> str:
-    """The first problem as one line: field path, what is wrong, what is allowed, where it came from."""
-    first = err.errors()[0]
-    path = ".".join(str(p) for p in first["loc"])
-    origin = sources.get(path) or next((src for key, src in sources.items() if key.startswith(path + ".")), None)
+def one_line(text: str) -> str:
+    """``text`` with its control characters and line breaks escaped (a key or a value from a file
+    may hold them), so that an error stays the one line it is meant to be."""
+    return CONTROL_CHARACTERS.sub(lambda match: repr(match.group())[1:-1], text)
+
+
+def describe_validation_error(
+    err: ValidationError, sources: Mapping[str, str], schema: type[BaseModel], names: Mapping[str, str] | None = None
+) -> str:
+    """The first problem as one line: field path, what is wrong, what is allowed, where it came from.
+    ``names``: keys to call by another name (a flag), e.g. ``{"launch.nnodes": "--nnodes"}``."""
+    return one_line(_describe(err.errors()[0], sources, schema, names))
+
+
+def _describe(
+    first: Mapping[str, Any], sources: Mapping[str, str], schema: type[BaseModel], names: Mapping[str, str] | None
+) -> str:
+    path = _setting_path(first["loc"], sources)
+    origin = sources.get(path)
+    if origin in (None, "default"):  # a section, or a value given where a section goes: its leaves say
+        origin = next((src for key, src in sources.items() if key.startswith(path + ".") and src != "default"), origin)
     suffix = f" (from {origin})" if origin and origin != "default" else ""
+    message = str(first["msg"]).removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        section, _, leaf = path.rpartition(".")
-        known = _known_keys(schema, section)
+        section = ".".join(str(part) for part in first["loc"][:-1])  # a key of a file may hold a dot
+        known = _known_keys(schema, first["loc"][:-1])
         where = f"in '{section}'" if section else "at the top level"
         return f"unknown setting '{path}'{suffix}; known settings {where}: {', '.join(known)}"
-    if not path:  # a rule across sections: its message names the settings itself
-        return str(first["msg"]).removeprefix("Value error, ")
+    if not path or (first["type"] == "value_error" and path not in sources):
+        # A rule across settings (of the tree, or of one section): its message names them itself.
+        for key in sorted(names or {}, key=len, reverse=True):
+            message = message.replace(key, names[key])
+        return message
     value = first.get("input")
-    return f"invalid value {value!r} for '{path}'{suffix}: {first['msg']}"
+    if names and path in names:
+        return f"{names[path]} {_as_rule(first, message)}, got {value!r}"
+    return f"invalid value {value!r} for '{path}'{suffix}: {message}"
 
 
-def _known_keys(schema: type[BaseModel], section: str) -> list[str]:
+def _setting_path(loc: tuple, sources: Mapping[str, str]) -> str:
+    """The dotted setting of an error's location, without what pydantic adds below it (the union
+    member tried, a list index)."""
+    parts = [str(p) for p in loc]
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in sources:
+            return ".".join(parts[:end])
+    return ".".join(parts)
+
+
+def _as_rule(error: Mapping[str, Any], message: str) -> str:
+    """A pydantic error as what a flag's value must be: 'must be at least 1', 'must be 0 or more'."""
+    bound = error.get("ctx", {})
+    whole = isinstance(error.get("input"), int)
+    if error["type"] == "greater_than" and whole:
+        return f"must be at least {bound['gt'] + 1}"
+    if error["type"] == "greater_than_equal":
+        return "must be 0 or more" if bound["ge"] == 0 else f"must be at least {bound['ge']}"
+    if error["type"] == "less_than" and whole:
+        return f"must be at most {bound['lt'] - 1}"
+    if error["type"] == "less_than_equal":
+        return f"must be at most {bound['le']}"
+    return message.replace("Input should be", "must be")
+
+
+def _known_keys(schema: type[BaseModel], section: tuple) -> list[str]:
     model: Any = schema
-    for part in filter(None, section.split(".")):
+    for part in section:
         model = model.model_fields[part].annotation
     return list(model.model_fields)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from phalanx.config.sections import gpu_indices
 from phalanx.errors import PhalanxError
 
 CPU_DEFAULT_NPROC = 2
@@ -26,15 +27,11 @@ class DevicePlan:
 
 
 def parse_gpus(text: str) -> list[int]:
+    """The indices of ``--gpus``, by the rule of its setting ``launch.gpus``."""
     try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise PhalanxError(f"--gpus expects comma-separated GPU indices such as 0,2; got '{text}'") from None
-    if not ids or any(i < 0 for i in ids):
-        raise PhalanxError(f"--gpus expects comma-separated GPU indices such as 0,2; got '{text}'")
-    if len(set(ids)) != len(ids):
-        raise PhalanxError(f"--gpus names a GPU twice: '{text}'")
-    return ids
+        return gpu_indices(text)
+    except ValueError as err:
+        raise PhalanxError(f"--gpus {err}, got '{text}'") from None
 
 
 def plan_devices(

@@ -18,11 +18,12 @@ import torch
 from phalanx.config.batch import plan_batch
 from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
+from phalanx.config.sources import check_overrides
 from phalanx.config.template import scalar, write_resolved
-from phalanx.errors import PhalanxError
 from phalanx.faults import markers
 from phalanx.launch.devices import DevicePlan, plan_devices
 from phalanx.launch.outcome import report_failure, report_preemption
+from phalanx.launch.preflight import check_output_dirs, check_script
 from phalanx.launch.rendezvous import Rendezvous, plan_rendezvous
 from phalanx.metrics.profile import ProfileWindow
 from phalanx.metrics.report import report_run
@@ -34,8 +35,6 @@ LAUNCH_FLAGS = (
     "nproc", "gpus", "cpu", "ranks", "run_dir", "verbose",
     "max_restarts", "nnodes", "node_rank", "master", "rdzv_endpoint", "rdzv_id",
 )  # fmt: skip
-# Flags refused with their own name before the config is read, rather than as launch.<field>.
-_AT_LEAST = {"nproc": 1, "max_restarts": 0, "nnodes": 1, "node_rank": 0}
 
 
 @dataclass
@@ -70,11 +69,10 @@ class LaunchRequest:
         return [f"launch.{key}={scalar(v)}" for key, v in given.items() if v is not None and v is not False]
 
     def check_flags(self) -> None:
-        for key, least in _AT_LEAST.items():
-            value = getattr(self, key)
-            if value is not None and value < least:
-                flag = "--" + key.replace("_", "-")
-                raise PhalanxError(f"{flag} must be {'at least 1' if least else '0 or more'}, got {value}")
+        """The flags alone, by the schema's rules for their ``launch.*`` keys (the same validation
+        the config gets next), so that a bad one is named as typed: ``--nnodes must be at least 1``."""
+        names = {f"launch.{key}": "--" + key.replace("_", "-") for key in LAUNCH_FLAGS}
+        check_overrides(Config, self.flag_overrides(), names)
 
 
 @dataclass(frozen=True)
@@ -94,8 +92,7 @@ class LaunchPlan:
 
 def prepare(request: LaunchRequest) -> LaunchPlan:
     """Everything that can be wrong with the user's input is found here, before any process starts."""
-    if not os.path.isfile(request.script):
-        raise PhalanxError(f"script '{request.script}' not found; give the path of a Python file to run")
+    check_script(request.script)
     request.check_flags()
     overrides = (*request.overrides, *request.flag_overrides())
     config = _load(request.config_file, overrides, request.cpu)
@@ -112,7 +109,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
         cores=cpu_count(),
     )
     exported = user_omp_threads()
-    if exported is not None and exported.isdigit():
+    if exported is not None and exported.isascii() and exported.isdigit():
         devices = replace(devices, omp_num_threads=int(exported))  # the user's value is the one used
     rendezvous = plan_rendezvous(
         nnodes=launch.nnodes,
@@ -131,8 +128,10 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
         plan_batch(
             strategy_cls.data_parallel_size_for(world), config.batch.global_batch_size, config.batch.micro_batch_size
         )
-    # Absolute, so a script that changes directory still writes into its run directory.
-    run_dir = new_run_dir(Path(launch.run_dir).resolve(), request.name or Path(request.script).stem)
+    # Last, as nothing after it can fail. Absolute, so a script that changes directory still writes
+    # into its run directory.
+    run_root = check_output_dirs(launch.run_dir, config.checkpoint.dir)
+    run_dir = new_run_dir(run_root, request.name or Path(request.script).stem)
     context = LaunchContext(
         config_file=str(Path(request.config_file).resolve()) if request.config_file else None,
         overrides=overrides,  # the workers resolve the same config, launch settings included

@@ -109,7 +109,7 @@ def plan_rendezvous(
 
 def _endpoint(text: str, flag: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise PhalanxError(f"{flag} expects HOST:PORT (e.g. node01:{DEFAULT_PORT}), got '{text}'")
     return host.strip("[]"), int(port)
 

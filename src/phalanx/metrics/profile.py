@@ -47,7 +47,7 @@ class ProfileWindow:
 def parse_ranks(text: str) -> list[int]:
     """``"0,1"`` -> ``[0, 1]``, for ``--profile-ranks``."""
     parts = [p.strip() for p in str(text).split(",")]
-    if not parts or not all(p.isdigit() for p in parts):
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
         raise ConfigError(f"--profile-ranks expects comma-separated ranks such as 0,1; got '{text}'")
     return sorted({int(p) for p in parts})
 

@@ -1,0 +1,83 @@
+"""What ``phalanx launch`` checks on disk before any worker starts: that the script compiles and
+that the run directory and the checkpoint directory can be written. Each problem is one line
+naming the path and the fix, where otherwise every rank would print its own traceback.
+
+The checks leave nothing behind: a directory they had to create is removed again, so a launch
+refused later still leaves no trace."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from pathlib import Path
+
+from phalanx.config.sources import one_line
+from phalanx.errors import PhalanxError
+
+
+def check_script(script: str) -> None:
+    """The script exists and compiles, as its workers will compile it (bytes, so that an encoding
+    cookie is honoured)."""
+    if not os.path.isfile(script):
+        raise _refused(f"script '{script}' not found; give the path of a Python file to run")
+    try:
+        source = Path(script).read_bytes()
+    except OSError as err:
+        raise _refused(f"cannot read script '{script}': {err.strerror or err}") from None
+    try:
+        with warnings.catch_warnings():  # the workers show the script's own warnings, once
+            warnings.simplefilter("ignore")
+            compile(source, script, "exec", dont_inherit=True)
+    except SyntaxError as err:
+        where = ":".join(str(part) for part in (script, err.lineno, err.offset) if part)
+        raise _refused(f"{where}: {type(err).__name__}: {err.msg}; fix the script (nothing was started)") from None
+    except (ValueError, RecursionError, MemoryError) as err:  # NUL bytes; nesting past the compiler's limits
+        raise _refused(f"{script}: cannot be compiled: {err or type(err).__name__}") from None
+
+
+def check_writable(setting: str, path: str, fix: str) -> Path:
+    """Directory ``path`` (the value of ``setting``) can be created and written; ``fix`` says how to
+    choose another. Returns it absolute."""
+    try:
+        directory = Path(path).resolve()
+        existing, missing = directory, []
+        while not existing.exists() and existing != existing.parent:
+            missing.append(existing)
+            existing = existing.parent
+    except (OSError, RuntimeError) as err:  # a symlink loop (RuntimeError before Python 3.13), EACCES
+        raise _refused(f"{setting} '{path}' cannot be used: {getattr(err, 'strerror', None) or err}; {fix}") from None
+    if not existing.is_dir():
+        raise _refused(f"{setting} '{directory}' cannot be created: '{existing}' is a file, not a directory; {fix}")
+    created: list[Path] = []
+    try:
+        for parent in reversed(missing):
+            parent.mkdir()
+            created.append(parent)
+        probe = directory / f".phalanx-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise _refused(f"{setting} '{directory}' is not writable: {err.strerror or err}; {fix}") from None
+    finally:
+        for parent in reversed(created):
+            try:
+                parent.rmdir()
+            except OSError:  # something else wrote into it meanwhile: it is not ours to remove
+                break
+    return directory
+
+
+def check_output_dirs(run_dir: str, checkpoint_dir: str) -> Path:
+    """``launch.run_dir`` and ``checkpoint.dir``, both as the workers resolve them: relative to the
+    working directory they share with the launcher. Returns the run directories' parent, absolute."""
+    check_writable(
+        "checkpoint.dir",
+        checkpoint_dir,
+        "set checkpoint.dir (e.g. --set checkpoint.dir=DIR) to a directory you can write",
+    )
+    return check_writable("launch.run_dir", run_dir, "pass --run-dir DIR naming a directory you can write")
+
+
+def _refused(message: str) -> PhalanxError:
+    return PhalanxError(one_line(message))  # a path may hold a line break
