@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import kill_tagged, new_tag
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 
@@ -27,7 +29,9 @@ class Result:
 
 
 def run_phalanx(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> Result:
-    """``phalanx ARGS`` in its own process group; on timeout the whole group is killed."""
+    """``phalanx ARGS`` in its own process group; on timeout the whole group is killed, and every
+    process the job started (workers live in sessions of their own) whatever happened."""
+    tag = new_tag()
     proc = subprocess.Popen(
         [sys.executable, "-m", "phalanx", *args],
         cwd=cwd,
@@ -35,7 +39,7 @@ def run_phalanx(*args: str, cwd: Path, timeout: float = 180, env: dict | None = 
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), **tag},
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -48,4 +52,5 @@ def run_phalanx(*args: str, cwd: Path, timeout: float = 180, env: dict | None = 
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished job, if any
         except ProcessLookupError:
             pass
+        kill_tagged(tag)
     return Result(proc.returncode, out, err)

@@ -15,12 +15,14 @@ from typing import Iterator, Sequence
 
 import torch
 
+from phalanx.checkpoint.lock import DirectoryLock
 from phalanx.config.batch import plan_batch
 from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
 from phalanx.config.sources import check_overrides
 from phalanx.config.template import scalar, write_resolved
 from phalanx.faults import markers
+from phalanx.faults.lifeline import ENV_LAUNCHER_PID
 from phalanx.launch.devices import DevicePlan, plan_devices
 from phalanx.launch.outcome import report_failure, report_preemption
 from phalanx.launch.preflight import check_output_dirs, check_script
@@ -154,13 +156,28 @@ def _load(config_file: str | None, overrides: Sequence[str], cpu_flag: bool) -> 
 def launch(request: LaunchRequest) -> int:
     """Run the job; returns the exit code for the CLI."""
     plan = prepare(request)
-    plan.run_dir.mkdir(parents=True, exist_ok=False)
-    write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
-    print(plan.describe(), flush=True)
-    code = run_workers(plan)
+    with checkpoint_lock(plan):  # before the run directory: a refused job leaves nothing behind
+        plan.run_dir.mkdir(parents=True, exist_ok=False)
+        write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
+        print(plan.describe(), flush=True)
+        code = run_workers(plan)
     if code == 0:
         report_run(plan.run_dir)
     return code
+
+
+def checkpoint_lock(plan: LaunchPlan) -> contextlib.AbstractContextManager:
+    """The job's hold on its checkpoint directory, across restarts, when the config says the job
+    uses it: it saves on a schedule, restarts from it, or there are checkpoints in it to resume
+    (resume: auto). Otherwise rank 0's Session takes it at its first save, so jobs that never
+    checkpoint can share a working directory. With several nodes, each node's launcher would lock
+    a shared directory against the others: rank 0's Session takes it then too."""
+    config = plan.config
+    directory = Path(config.checkpoint.dir).resolve()
+    uses = config.checkpoint.save_every is not None or config.launch.max_restarts > 0 or directory.is_dir()
+    if plan.rendezvous.multi_node or not uses:
+        return contextlib.nullcontext()
+    return DirectoryLock(directory, str(plan.run_dir), holder=f"phalanx launch {Path(plan.request.script).name}")
 
 
 def run_workers(plan: LaunchPlan) -> int:
@@ -190,7 +207,8 @@ def run_workers(plan: LaunchPlan) -> int:
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         shutdown_timeout=int(plan.config.faults.preempt_grace) + 5,
     )
-    env = {**plan.context.to_env(), "PYTHONUNBUFFERED": "1"}
+    # The workers watch this pid: whatever kills the launcher, they end too (faults/lifeline.py).
+    env = {**plan.context.to_env(), "PYTHONUNBUFFERED": "1", ENV_LAUNCHER_PID: str(os.getpid())}
     if user_omp_threads() is None:  # a value the user exported wins, as with torchrun
         env["OMP_NUM_THREADS"] = str(plan.devices.omp_num_threads)
     if plan.devices.cuda_visible_devices is not None:

@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from phalanx.errors import PhalanxError
+from phalanx.faults.lifeline import watch
 from phalanx.topology import LaunchContext, cpu_count
 
 BACKENDS = ("auto", "gloo")
@@ -60,7 +61,7 @@ def spawn(
     with tempfile.TemporaryDirectory(prefix="phalanx-spawn-") as tmp:
         context = mp.start_processes(
             _entry,
-            args=(fn, tuple(args), nprocs, port, tmp, launch),
+            args=(fn, tuple(args), nprocs, port, tmp, launch, os.getpid()),
             nprocs=nprocs,
             join=False,
             start_method=start_method,
@@ -79,8 +80,16 @@ def spawn(
 
 
 def _entry(
-    local_rank: int, fn: Callable[..., Any], args: tuple, nprocs: int, port: int, out_dir: str, launch: LaunchContext
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    nprocs: int,
+    port: int,
+    out_dir: str,
+    launch: LaunchContext,
+    parent: int,
 ) -> None:
+    watch(parent, f"phalanx.spawn rank {local_rank}")  # a killed notebook kernel takes its ranks along
     os.environ.update(
         {
             "RANK": str(local_rank),

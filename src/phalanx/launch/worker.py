@@ -21,10 +21,13 @@ import traceback  # noqa: E402
 
 from phalanx.errors import PhalanxError  # noqa: E402
 from phalanx.faults import markers  # noqa: E402
+from phalanx.faults.lifeline import watch_launcher  # noqa: E402
 from phalanx.launch.output import log_path, route_output  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
+    # First, before torch loads: from here on this worker cannot outlive its launcher.
+    watch_launcher(f"rank {os.environ.get('RANK', '?')}")
     from phalanx.topology import LaunchContext, Topology  # loads torch
 
     script, *script_args = argv

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.checkpoint import files as checkpoint_files
+from phalanx.checkpoint.lock import DirectoryLock
 from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
 from phalanx.config.schema import Config, parse_period
 from phalanx.errors import PhalanxError
@@ -63,6 +64,9 @@ class Recovery:
             else None
         )
         self.term = TermWatch(self.run_dir, faults.preempt_grace, topology.rank) if launched else None
+        # Under phalanx launch the launcher holds it already; its job key (the run directory) says so.
+        self.lock = DirectoryLock(self.root, run_dir)
+        self._claimed = False
         every = config.checkpoint.save_every
         self.agreement = StepAgreement(
             topology.world_size, comm_device, parse_period(every) if isinstance(every, str) else None
@@ -87,6 +91,7 @@ class Recovery:
         if not objects.models:
             raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
         self.resume_checked = True  # a run that saved has started; never resume over it later
+        self.claim(create=True)
         with self._io():
             path = self.checkpointer.save(self.root, objects)
         self.agreement.saved()
@@ -114,17 +119,45 @@ class Recovery:
             self.say(f"phalanx: resumed from {where}: {_position_words(manifest)}")
         return where
 
+    def claim(self, *, create: bool) -> None:
+        """Make sure this job owns the checkpoint directory (see checkpoint/lock.py); a collective.
+        ``create``: take it even where the directory does not exist yet (a save is coming)."""
+        if self._claimed:
+            return
+        refusal = None
+        if self.topology.is_main and (create or self.root.is_dir()):
+            try:
+                self.lock.acquire()
+            except PhalanxError as err:
+                refusal = str(err)
+        if self.topology.world_size > 1 and dist.is_initialized():
+            box = [(refusal, self.lock.held)]
+            dist.broadcast_object_list(box, src=0)
+            refusal, held = box[0]
+        else:
+            held = self.lock.held
+        if refusal is not None:
+            raise PhalanxError(refusal)
+        self._claimed = held  # not yet (no directory to resume from): the first save takes it
+
     def latest(self, *, this_run: bool = False) -> Path | None:
         """The newest complete checkpoint (``this_run``: only one this launch wrote); rank 0 decides,
         so no rank sees a different 'latest'."""
-        found = checkpoint_files.latest(self.root) if self.topology.is_main else None
-        if found is not None and this_run:
-            if self.run_dir is None or checkpoint_files.read_manifest(found).get("run_dir") != self.run_dir:
-                found = None
+        found, refusal = None, None
+        if self.topology.is_main:
+            try:
+                found = checkpoint_files.latest(self.root)
+                if found is not None and this_run:
+                    if self.run_dir is None or checkpoint_files.read_manifest(found).get("run_dir") != self.run_dir:
+                        found = None
+            except PhalanxError as err:  # a damaged manifest: every rank raises it, none waits
+                refusal = str(err)
         if self.topology.world_size > 1 and dist.is_initialized():
-            box = [found]
+            box = [(found, refusal)]
             dist.broadcast_object_list(box, src=0)
-            found = box[0]
+            found, refusal = box[0]
+        if refusal is not None:
+            raise PhalanxError(refusal)
         return found
 
     def ensure_resumed(self) -> None:
@@ -135,6 +168,7 @@ class Recovery:
         if self.resume_checked or not self.objects().models:
             return
         self.resume_checked = True
+        self.claim(create=False)
         spec, restart = self.config.checkpoint.resume, self.topology.restart_count
         if spec == "never" and not restart:
             return
@@ -178,6 +212,7 @@ class Recovery:
         raise SystemExit(markers.PREEMPTED_EXIT)
 
     def close(self) -> None:
+        self.lock.release()
         if self.watchdog is not None:
             self.watchdog.close()
         if self.term is not None:

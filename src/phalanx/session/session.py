@@ -37,6 +37,7 @@ from phalanx.config.preset import fit_to_device
 from phalanx.config.schema import Config
 from phalanx.config.template import write_resolved
 from phalanx.errors import ConfigError, PhalanxError
+from phalanx.faults.lifeline import watch_launcher
 from phalanx.metrics.recorder import create_recorder
 from phalanx.runtime.compute import Compute
 from phalanx.runtime.data import DeviceLoader, is_training_loader, shard_loader
@@ -64,6 +65,8 @@ class Session:
         elif sections or (self.context and self.context.overrides) or config.preset != "none":
             config = override_config(config, sections, self.context)  # (a preset is resolved there too)
         self.topology = Topology.from_env()
+        if self.topology.launched:  # under plain torchrun too: this rank ends with its agent
+            watch_launcher(f"rank {self.topology.rank}")
         self.config = config = fit_to_device(config, self.topology.device)
         if self.context and self.context.run_dir and self.topology.is_main:
             # The launcher wrote what it knew; this is what the run really uses (code settings too).
