@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Callable, Iterator
@@ -27,6 +29,13 @@ IO_TIMEOUT_S = 1800.0
 
 # Frames in these files are the library, not the place the user's code is stuck.
 _LIBRARY = (os.sep + "torch" + os.sep, os.sep + "phalanx" + os.sep, "threading.py", "runpy.py")
+_C10D = os.path.join("distributed", "distributed_c10d.py")
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+# torch.distributed packages whose frames are not communication: writing a checkpoint is the
+# disk's pace (its collectives show as c10d frames), the elastic agent is not in a worker's stack.
+_NOT_COMMUNICATION = ("checkpoint", "elastic", "launcher")
+# DDP's forward broadcasts buffers through calls that leave no Python frame in torch.distributed.
+_DDP = os.path.join("nn", "parallel", "distributed.py")
 
 
 class Watchdog:
@@ -127,7 +136,12 @@ class Watchdog:
             peer = self._peer_dump()
             if peer is not None:
                 idle = self._clock() - last
-                self._fire(f"rank {self.rank}: stopping because {peer} hung; this rank had been idle for {idle:.1f} s")
+                # The peer fired first, which says nothing about which rank is stuck: the launcher's
+                # summary decides that from every rank's stack.
+                self._fire(
+                    f"rank {self.rank}: stopping because {peer}'s watchdog fired first; "
+                    f"this rank had been idle for {idle:.1f} s"
+                )
                 self._exit(HANG_EXIT)
                 return
             headline = self.overdue()
@@ -165,23 +179,93 @@ class Watchdog:
                 pass
 
 
+@dataclass(frozen=True)
+class Wait:
+    """Where a rank's main thread is. ``kind``: ``collective`` (a torch.distributed call, ``op`` its
+    name), ``backward`` (where DDP and FSDP exchange gradients), ``communication`` (inside another
+    torch.distributed package, ``op`` its name, e.g. ``torch.distributed.fsdp``), or ``code``: none
+    of those, so the rank is not waiting for the others. ``frame`` is the innermost frame of the
+    user's code (the innermost frame, when the stack has none)."""
+
+    kind: str
+    op: str
+    frame: traceback.FrameSummary | None
+
+    @property
+    def waiting(self) -> bool:
+        """Inside communication with the other ranks, so it may be waiting for one of them."""
+        return self.kind != "code"
+
+    @property
+    def place(self) -> str:
+        f = self.frame
+        return f"{f.name} at {f.filename}:{f.lineno}" if f is not None else "an empty stack"
+
+    def describe(self) -> str:
+        if self.kind == "collective":
+            return f"collective {self.op} ({self.place})"
+        if self.kind == "backward":
+            return f"backward, where DDP/FSDP exchange gradients ({self.place})"
+        if self.kind == "communication":
+            return f"{self.op} communication ({self.place})"
+        return self.place
+
+
+def classify(frames: list[traceback.FrameSummary]) -> Wait:
+    """Where a stack (outermost frame first) waits. Only the frames inside the innermost frame of
+    the user's code count: a user's autograd function stuck in its own ``backward`` is the user's
+    code, not a gradient exchange."""
+    user = next((i for i in range(len(frames) - 1, -1, -1) if not _is_library(frames[i].filename)), None)
+    inner = frames[user + 1 :] if user is not None else frames
+    here = frames[user] if user is not None else (frames[-1] if frames else None)
+    for entry in reversed(inner):
+        if entry.filename.endswith(_C10D) and not entry.name.startswith("_"):
+            return Wait("collective", entry.name, here)
+    for entry in reversed(inner):
+        if os.sep + "autograd" + os.sep in entry.filename:
+            return Wait("backward", "backward", here)
+    for entry in reversed(inner):
+        package = _distributed_package(entry.filename)
+        if package is not None:
+            return Wait("communication", package, here)
+    return Wait("code", "", here)
+
+
 def describe_wait(frame: FrameType) -> str:
     """Where the main thread waits: the collective it is in, else the innermost line of user code."""
-    frames = traceback.extract_stack(frame)
-    for entry in reversed(frames):
-        if entry.filename.endswith(os.path.join("distributed", "distributed_c10d.py")) and not entry.name.startswith(
-            "_"
-        ):
-            return f"collective {entry.name} ({_user_line(frames)})"
-    for entry in reversed(frames):
-        if os.sep + "autograd" + os.sep in entry.filename:
-            return f"backward, where DDP/FSDP exchange gradients ({_user_line(frames)})"
-    return _user_line(frames)
+    return classify(traceback.extract_stack(frame)).describe()
 
 
-def _user_line(frames: traceback.StackSummary) -> str:
-    for entry in reversed(frames):
-        if not any(part in entry.filename for part in _LIBRARY):
-            return f"{entry.name} at {entry.filename}:{entry.lineno}"
-    last = frames[-1]
-    return f"{last.name} at {last.filename}:{last.lineno}"
+# A frame as traceback.format_stack writes it; the source line follows, indented by four spaces.
+_FRAME_LINE = re.compile(r'^  File "(?P<file>.*)", line (?P<line>\d+), in (?P<name>.+)$')
+
+
+def parse_stack(text: str) -> list[traceback.FrameSummary]:
+    """The frames of a stack printed by :func:`traceback.format_stack` (as in a rank's hang dump)."""
+    frames: list[traceback.FrameSummary] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        match = _FRAME_LINE.match(line)
+        if match is None:
+            continue
+        source = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith("    ") else ""
+        frames.append(
+            traceback.FrameSummary(
+                match["file"], int(match["line"]), match["name"], lookup_line=False, line=source or None
+            )
+        )
+    return frames
+
+
+def _is_library(filename: str) -> bool:
+    return any(part in filename for part in _LIBRARY)
+
+
+def _distributed_package(filename: str) -> str | None:
+    if filename.endswith(_DDP):
+        return "DistributedDataParallel"
+    _, found, rest = filename.partition(_TORCH_DISTRIBUTED)
+    if not found:
+        return None
+    package = rest.split(os.sep, 1)[0].removesuffix(".py")
+    return None if package in _NOT_COMMUNICATION else f"torch.distributed.{package}"

@@ -70,13 +70,19 @@ def main(argv: list[str]) -> int:
         _record(err)
         return 130
     except BaseException as err:  # noqa: BLE001 - reported, then the process exits non-zero
-        traceback.print_exc()
+        if not _hang_dumped(context, topology.rank, topology.restart_count):
+            traceback.print_exc()  # after this rank's hang dump, an error is only the hang's echo
         _record(err)
         return 1
     finally:
         _teardown()
         for stream in (sys.stdout, sys.stderr):
             getattr(stream, "finish", stream.flush)()
+
+
+def _hang_dumped(context, rank: int, attempt: int) -> bool:
+    hang = markers.path(context.run_dir, markers.HANG_DIR)
+    return hang is not None and (hang / f"attempt{attempt}" / f"rank{rank}.txt").is_file()
 
 
 def _record(err: BaseException) -> None:
