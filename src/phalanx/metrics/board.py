@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +19,41 @@ _TAGS = {
 
 
 class Board:
-    def __init__(self, writer: Any):
+    """The writer is created at the first write (or at close): importing tensorboard takes a tenth of
+    a second, seconds where it loads tensorflow, and training need not wait for it to start."""
+
+    def __init__(self, writer: Any = None, *, log_dir: Path | None = None):
         self._writer = writer
+        self._log_dir = log_dir
 
     @classmethod
     def open(cls, log_dir: Path) -> "Board | None":
         """None when tensorboard is not installed: the JSONL records are still written."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
+        if importlib.util.find_spec("tensorboard") is None:
             return None
-        return cls(SummaryWriter(log_dir=str(log_dir)))
+        return cls(log_dir=log_dir)
+
+    def _open(self) -> Any:
+        if self._writer is None and self._log_dir is not None:
+            log_dir, self._log_dir = self._log_dir, None
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # installed but unusable (torch refuses an old version): JSONL only
+                return None
+            self._writer = SummaryWriter(log_dir=str(log_dir))
+        return self._writer
 
     def write(self, records: list[dict[str, Any]]) -> None:
+        writer = self._open()
+        if writer is None:
+            return
         for record in records:
             for field, tag in _TAGS.items():
                 if record.get(field) is not None:
-                    self._writer.add_scalar(tag, record[field], global_step=record["step"], walltime=record["time"])
-        self._writer.flush()
+                    writer.add_scalar(tag, record[field], global_step=record["step"], walltime=record["time"])
+        writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        writer = self._open()  # a run that recorded nothing still leaves its event file, as before
+        if writer is not None:
+            writer.close()

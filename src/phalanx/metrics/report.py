@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from phalanx.metrics.straggler import SLOW_FACTOR, SLOW_SHARE
 from phalanx.metrics.summary import read_flops, read_records, summarize, write_summary
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # Above this share of step time spent waiting for data the summary says what to do about it.
 DATA_WAIT_HINT = 0.10
@@ -27,6 +27,9 @@ def report_run(run_dir: Path) -> dict[str, Any] | None:
         print(f"phalanx: no run summary: a record in {metrics} lacks a field or value ({err!r})", flush=True)
         summary = None
     if summary is not None:
+        # rich only once there is a table to draw: the launcher imports this module at start-up.
+        from rich.console import Console
+
         write_summary(summary, run_dir / "summary.json")
         console = Console() if sys.stdout.isatty() else Console(width=120)
         console.print(headline(summary), highlight=False)
@@ -48,6 +51,8 @@ def headline(summary: dict[str, Any]) -> str:
 
 
 def summary_table(summary: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     rows = summary["ranks"]
     table = Table()
     columns = ["rank", "steps", "samples/s", "step p50", "p90", "max", "work p50", "data wait", "loss first → last"]

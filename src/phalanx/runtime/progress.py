@@ -10,9 +10,6 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
 _REFRESH_S = 0.25
 
 
@@ -78,6 +75,17 @@ def track(
             meter.add(samples_per_batch)
         meter.stop()
         return
+
+    # Only the rank that draws the bar loads rich (every worker imports this module).
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     # Under `phalanx launch` stdout is a tee to the log file; draw live frames on the terminal
     # behind it only, so the log keeps the final line and not hundreds of redraws.
