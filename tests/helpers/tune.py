@@ -97,6 +97,8 @@ def tune_under_a_320_mib_cap(tmp_path: Path, *launch: str) -> None:
     assert 256 * MIB < chosen["peak_mem_bytes"] <= 320 * MIB
     text = (tmp_path / "phalanx.yaml").read_text()
     assert "micro_batch_size: 8    # what I had" in text and "seed: 7" in text
+    # Written as a per-device limit, in place of the exact size (issue 14): it plans any process count.
+    assert "  max_micro_batch_size: 8    # what I had" in text and "\n  micro_batch_size" not in text
     assert (tmp_path / "phalanx.yaml.bak").read_text() == USER_CONFIG.format(micro=12)
-    assert "wrote batch.micro_batch_size=8 into phalanx.yaml" in result.stdout
+    assert "wrote batch.max_micro_batch_size=8 into phalanx.yaml" in result.stdout
     assert not (tmp_path / "checkpoints").exists()  # trials keep to their own directory

@@ -60,4 +60,4 @@ def test_only_rank_1_over_the_cap_ends_the_trial_as_out_of_memory(tmp_path):
     assert "OutOfMemoryError" not in (logs / "rank0.log").read_text()  # rank 0 fit, and was stopped
     assert "rank 1 failed first" in Path(second["log"]).read_text()
     # One answer for every rank: the config holds the size that fits on all of them.
-    assert yaml.safe_load((tmp_path / "phalanx.yaml").read_text())["batch"]["micro_batch_size"] == 4
+    assert yaml.safe_load((tmp_path / "phalanx.yaml").read_text())["batch"]["max_micro_batch_size"] == 4

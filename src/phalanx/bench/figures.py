@@ -102,9 +102,10 @@ def run_figures(
     )
 
 
-def scaling(runs: list[RunFigures]) -> list[Scaling]:
+def scaling(runs: list[RunFigures], *, strong: bool = False) -> list[Scaling]:
     """Each run against the 1-device one. The split is an estimate: the 1-device compute is assumed
-    to hold at N devices, which needs the same micro-batch per device (bench keeps it)."""
+    to hold at N devices, which needs the same micro-batch per device (bench keeps it); ``strong``:
+    the global batch was kept instead, so each device computes 1/N of it, taken as 1/N of the time."""
     base = next((r for r in runs if r.nproc == 1), None)
     if base is None:
         raise PhalanxError("scaling needs the 1-device run as its baseline")
@@ -117,8 +118,8 @@ def scaling(runs: list[RunFigures]) -> list[Scaling]:
                 run=run,
                 speedup=run.samples_per_s / base.samples_per_s if base.samples_per_s else 0.0,
                 efficiency=run.samples_per_s / ideal if ideal else 0.0,
-                compute=compute,
-                comm_wait=max(run.step_time - compute - run.data_wait, 0.0),
+                compute=compute / run.nproc if strong else compute,
+                comm_wait=max(run.step_time - (compute / run.nproc if strong else compute) - run.data_wait, 0.0),
             )
         )
     return rows

@@ -3,12 +3,17 @@ options both take (:class:`TrialOptions`), and one launch run to its end or stop
 
 Each run is a ``python -m phalanx launch`` subprocess rather than an in-process launch: its output
 (progress, rank 0's prints, failure summaries) goes to its own ``launch.log`` instead of the
-caller's table, and a script with no step cap of its own can be stopped like Ctrl-C stops it. The
-launch stays in the caller's process group, so a Ctrl-C at the terminal reaches both at once.
+caller's table. A run of the user's script ends through phalanx itself: ``train.max_steps`` is set
+to its steps, and the Session ends ``epochs()`` and the training loaders there, so the script
+finishes the way it finishes training and none of its signal handlers run. Only a script that
+trains past the limit (a loop phalanx does not see), or does not exit within a grace after it, is
+stopped like Ctrl-C stops it. The launch stays in the caller's process group, so a Ctrl-C at the
+terminal reaches both at once.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import signal
 import subprocess
@@ -26,12 +31,14 @@ from phalanx.launch.launcher import LaunchRequest
 _POLL_S = 0.25
 _INTERRUPT_GRACE_S = 3  # a terminal Ctrl-C reached the launch too; give it this long to notice
 _SHUTDOWN_S = 60  # torch elastic gives its workers 30 s after a signal before it kills them
+# After its last step a script may still evaluate and save; past this, it is stopped from outside.
+END_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
 class LaunchRun:
     returncode: int
-    stopped: bool  # stopped from outside (SIGINT) once every rank had recorded `cap` steps
+    stopped: bool  # stopped from outside (SIGINT) after every rank had recorded `cap` steps (the fallback)
     steps: int  # optimizer steps every rank recorded
     seconds: float
     log: Path  # the launcher's own output
@@ -59,8 +66,8 @@ class TrialOptions:
     run_dir: str | None = None
 
     def target(self, verb: str) -> tuple[str, tuple[str, ...], int | None]:
-        """Script, its arguments, and the step count at which a launch is stopped (None: it stops
-        itself); ``verb`` names the command in errors."""
+        """Script, its arguments, and the step count at which a launch ends (``train.max_steps``;
+        None: the script stops itself); ``verb`` names the command in errors."""
         if self.demo and self.script:
             raise PhalanxError("give either a script or --demo, not both")
         if self.demo:
@@ -103,7 +110,9 @@ class TrialOptions:
         cap: int | None,
         env: Mapping[str, str] | None = None,
     ) -> LaunchRun:
-        """One trial launch under ``parent``, with the options' --set values and then ``extra``."""
+        """One trial launch under ``parent``, with the options' --set values, then ``extra``, then
+        the step limit ``cap`` (which the Session ends training at)."""
+        limit = (f"train.max_steps={cap}",) if cap is not None else ()
         command = launch_command(
             script,
             script_args,
@@ -111,7 +120,7 @@ class TrialOptions:
             parent=parent,
             cpu=self.cpu,
             config_file=self.config_file,
-            overrides=(*self.overrides, *extra),
+            overrides=(*self.overrides, *extra, *limit),
         )
         return run_launch(command, parent, cap, env)
 
@@ -173,9 +182,17 @@ def launch_command(
     return [*command, script, *script_args]
 
 
-def run_launch(command: list[str], parent: Path, cap: int | None, env: Mapping[str, str] | None = None) -> LaunchRun:
-    """Run ``command`` (a :func:`launch_command` whose run dir is ``parent``) to its end, or stop it
-    once every rank has recorded ``cap`` optimizer steps (None: let it end by itself)."""
+def run_launch(
+    command: list[str],
+    parent: Path,
+    cap: int | None,
+    env: Mapping[str, str] | None = None,
+    grace: float = END_GRACE_S,
+) -> LaunchRun:
+    """Run ``command`` (a :func:`launch_command` whose run dir is ``parent``) to its end. With
+    ``cap`` (its ``train.max_steps``), a run that records more steps than that, or is still running
+    ``grace`` seconds after every rank recorded them, is stopped with SIGINT: the fallback for a
+    script whose loop the Session cannot end."""
     parent.mkdir(parents=True, exist_ok=True)
     log = parent / "launch.log"
     started = time.perf_counter()
@@ -188,11 +205,16 @@ def run_launch(command: list[str], parent: Path, cap: int | None, env: Mapping[s
             env=dict(env) if env is not None else None,
         )
         stopped = False
+        reached_at = None  # when every rank had recorded `cap` steps
         try:
             while proc.poll() is None:
-                if cap is not None and not stopped and steps_so_far(parent) >= cap:
-                    proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops its workers
-                    stopped = True
+                if cap is not None and not stopped:
+                    steps = steps_so_far(parent)
+                    if steps >= cap and reached_at is None:
+                        reached_at = time.perf_counter()
+                    if steps > cap or (reached_at is not None and time.perf_counter() - reached_at > grace):
+                        proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the launcher stops its workers
+                        stopped = True
                 try:
                     proc.wait(timeout=_POLL_S)
                 except subprocess.TimeoutExpired:
@@ -219,16 +241,41 @@ def steps_so_far(parent: Path) -> int:
 
 
 def failure_reason(log: Path) -> str:
-    """The launcher's own one-line summary of a failure, when it wrote one ("" otherwise)."""
-    lines = [
-        line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.startswith("phalanx: ")
-    ]
+    """The launcher's own one-line summary of a failure when it wrote one; else the log's last
+    line, which is where a traceback ends ("" for an empty log)."""
+    every = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    lines = [line for line in every if line.startswith("phalanx: ")]
     for line in reversed(lines):
         if line.startswith("phalanx: error: "):
             return line.removeprefix("phalanx: error: ")
         if " failed first " in line or line.startswith("phalanx: stopped by signal"):
             return line.removeprefix("phalanx: ")
-    return ""
+    return next((line.strip() for line in reversed(every) if line.strip()), "")
+
+
+def stop_note(run: LaunchRun, name: str, cap: int | None) -> str | None:
+    """The line to print when ``run`` had to be stopped with a signal (None when it ended by itself):
+    its script did not end at ``train.max_steps``, and any error it then raised is shown too."""
+    if not run.stopped:
+        return None
+    text = (
+        f"phalanx: warning: {name} went on after train.max_steps={cap} (a loop phalanx cannot end, see "
+        "docs/bench.md#what-it-runs) and was stopped like Ctrl-C"
+    )
+    if run.returncode != 0:
+        # The launcher's own summary only says it was stopped; what the script raised is in the log.
+        reason = last_error(run.log) or failure_reason(run.log)
+        text += f"; it then exited with code {run.returncode}{': ' + reason if reason else ''} (log: {run.log})"
+    return text
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank \d+\] )?[A-Za-z_][\w.]*(?:Error|Exception)\b(?::.*)?$")
+
+
+def last_error(log: Path) -> str:
+    """The last exception line of a traceback in ``log`` ("" when there is none)."""
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    return next((line.strip() for line in reversed(lines) if _ERROR_LINE.match(line.strip())), "")
 
 
 def interrupt(proc: subprocess.Popen) -> None:

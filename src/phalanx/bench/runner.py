@@ -12,11 +12,12 @@ from typing import Callable
 
 from phalanx.bench.chart import have_matplotlib, write_chart
 from phalanx.bench.figures import RunFigures, Scaling, read_metrics, run_figures, scaling
-from phalanx.bench.launching import TrialOptions, failure_reason, quiet_overrides
+from phalanx.bench.launching import TrialOptions, failure_reason, quiet_overrides, stop_note
 from phalanx.bench.reading import reading
 from phalanx.bench.report import bench_json, machine_facts, machine_label
 from phalanx.errors import PhalanxError
 from phalanx.launch.launcher import new_run_dir, prepare
+from phalanx.session.facts import read_run_facts
 from phalanx.topology import cpu_count, user_omp_threads
 
 
@@ -67,8 +68,9 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     base = prepare(options.request(script, script_args, None))
     counts = parse_nproc_list(options.nproc_list, base.devices.nproc)
     configured_batch = base.config.batch.global_batch_size
+    fixed = base.config.batch.fixed_layout  # or the script says so in code: known after its first run
     for n in counts:  # every count is checked before any process starts
-        prepare(options.request(script, script_args, n, _weak_scaling(configured_batch, n)))
+        prepare(options.request(script, script_args, n, _weak_scaling(None if fixed else configured_batch, n)))
 
     directory = new_run_dir(Path(options.run_dir or base.config.launch.run_dir).resolve(), "bench")
     directory.mkdir(parents=True)
@@ -83,11 +85,19 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
     figures: list[RunFigures] = []
     run_dirs: dict[int, str] = {}
     for n in counts:
-        batch = figures[0].global_batch if figures else None
+        batch = figures[0].global_batch if figures and not fixed else None
         overrides = (*quiet_overrides(base.config, directory / f"n{n}"), *_weak_scaling(batch, n))
         name = f"the {n}-{unit} run"
-        run_dir, seconds = _run_one(options, script, script_args, cap, n, overrides, directory / f"n{n}", name, threads)
+        run_dir, seconds = _run_one(
+            options, script, script_args, cap, n, overrides, directory / f"n{n}", name, threads, say
+        )
         run_dirs[n] = str(run_dir)
+        if not figures and (fixed or _layout_fixed(run_dir)):
+            fixed = True
+            say(
+                "phalanx: the script fixes its batch layout (batch.fixed_layout), so every run keeps its global "
+                "batch (strong scaling) instead of growing it with the devices (weak scaling)"
+            )
         figures.append(
             run_figures(
                 n, read_metrics(_metrics_dir(run_dir, name)), options.warmup, f"{name} ({run_dir})", options.steps
@@ -95,7 +105,7 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
         )
         say(f"phalanx: {name}: {figures[-1].samples_per_s:,.0f} samples/s, {seconds:.0f}s, run dir {run_dir}")
 
-    rows = scaling(figures)
+    rows = scaling(figures, strong=fixed)
     text = reading(rows, cpu=device == "cpu", cores=cpu_count(), threads=threads)
     settings = {
         "script": script,
@@ -108,7 +118,10 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
         "overrides": list(options.overrides),
         "threads_per_process": threads,
         "scaling": (
-            "weak: every run keeps the 1-device run's micro-batch per device; the global batch grows with the devices"
+            "strong: the script fixes its batch layout; every run keeps the 1-device run's global batch"
+            if fixed
+            else "weak: every run keeps the 1-device run's micro-batch per device; "
+            "the global batch grows with the devices"
         ),
     }
     document = bench_json(
@@ -142,6 +155,11 @@ def _threads_per_process(device: str, counts: list[int]) -> int | None:
     return max(1, cpu_count() // max(counts))
 
 
+def _layout_fixed(run_dir: Path) -> bool:
+    facts = read_run_facts(run_dir)
+    return facts is not None and facts.fixed_layout
+
+
 def _weak_scaling(batch: int | None, n: int) -> tuple[str, ...]:
     """Same micro-batch per device at every count, so the 1-device compute time holds for each."""
     return (f"batch.global_batch_size={batch * n}",) if batch and n > 1 else ()
@@ -157,11 +175,15 @@ def _run_one(
     parent: Path,
     name: str,
     threads: int | None,
+    say: Callable[[str], None],
 ) -> tuple[Path, float]:
     parent.mkdir()
     # The environment passes through unread; the launcher takes OMP_NUM_THREADS as the user's.
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     run = options.launch(script, script_args, nproc=n, parent=parent, extra=overrides, cap=cap, env=env)
+    note = stop_note(run, name, cap)
+    if note:
+        say(note)
     if not run.complete:
         reason = failure_reason(run.log)
         raise RunFailed(

@@ -54,6 +54,14 @@ def register(commands) -> None:
     p.add_argument(
         "--input-shape", metavar="DIMS", help="one sample's input shape without the batch, e.g. 3,224,224 or 128"
     )
+    p.add_argument(
+        "--inputs",
+        metavar="PKG.MODULE:FUNCTION",
+        help=(
+            "instead of --input-shape: a function of the micro-batch size B returning one micro-batch's inputs "
+            "in the model's own layout: a tensor, a tuple of positional arguments or a dict of keyword arguments"
+        ),
+    )
     p.add_argument("--input-dtype", choices=sorted(_DTYPES), help="float (default) or long (token ids)")
     p.add_argument("--micro-batch", type=int, default=8, metavar="N", help="samples per device per forward (default 8)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="default fp32")
@@ -111,15 +119,22 @@ def _run(args: argparse.Namespace) -> int:
     classes: list[str] = []
     measured_on = None
     if args.params is not None:
+        if args.inputs:
+            raise PhalanxError("--inputs needs --model or --example: with --params there is no model to run")
         n_params = int(args.params)
     else:
         path, shape, dtype = EXAMPLES[args.example] if args.example else (args.model, None, "float")
-        shape = args.input_shape or shape
-        if shape is None:
+        if args.inputs and (args.input_shape or args.input_dtype):
+            given = "--input-shape" if args.input_shape else "--input-dtype"
+            raise PhalanxError(f"give --inputs or {given}, not both: the inputs function makes the whole micro-batch")
+        inputs = load_factory(args.inputs, "--inputs", "function", "mypkg.data:example_batch") if args.inputs else None
+        shape = None if inputs else args.input_shape or shape
+        if shape is None and inputs is None:
             raise PhalanxError(
-                "--input-shape is needed with --model: one sample's shape without the batch, e.g. 3,224,224"
+                "--input-shape is needed with --model: one sample's shape without the batch, e.g. 3,224,224 "
+                "(or --inputs MODULE:FUNCTION, a function returning one micro-batch's inputs)"
             )
-        dims = _parse_shape(shape)
+        dims = _parse_shape(shape) if shape else None
         factory = load_factory(path)
         kwargs = dict(_parse_kv(kv) for kv in args.model_arg)
         model = build(factory, kwargs, "meta")
@@ -128,9 +143,10 @@ def _run(args: argparse.Namespace) -> int:
         sequential = isinstance(model, nn.Sequential)
         classes = args.checkpoint or _repeated_block(model)
         input_dtype = _DTYPES[args.input_dtype or dtype]
-        activations = measure_activations(factory, kwargs, dims, input_dtype, args.precision)
+        given = {"inputs": inputs, "inputs_name": args.inputs or ""}
+        activations = measure_activations(factory, kwargs, dims, input_dtype, args.precision, **given)
         if classes:
-            checkpointed = measure_activations(factory, kwargs, dims, input_dtype, args.precision, classes)
+            checkpointed = measure_activations(factory, kwargs, dims, input_dtype, args.precision, classes, **given)
         measured_on = activations.measured_on
     plan = make_plan(
         n_params,

@@ -94,5 +94,6 @@ def _run_tune(args: argparse.Namespace) -> int:
         comments = (
             "" if w.comments_kept else "; its comments could not be kept (flow-style YAML): they are in the backup"
         )
-        print(f"phalanx: wrote {settings} into {w.path} ({kept}{comments}); trials in {result.directory}")
+        removed = "".join(f"; {key} removed: the limit replaces it" for key in w.removed)
+        print(f"phalanx: wrote {settings} into {w.path} ({kept}{comments}{removed}); trials in {result.directory}")
     return 0

@@ -178,6 +178,21 @@ class BatchConfig(Section):
     micro_batch_size: Optional[int] = Field(
         None, gt=0, description="samples per device per forward (null: global_batch_size / data-parallel processes)"
     )
+    max_micro_batch_size: Optional[int] = Field(
+        None,
+        gt=0,
+        description=(
+            "largest micro batch that fits one device; the micro batch is then the largest divisor of the "
+            "per-process share up to it, for any process count (phalanx tune writes it; null: no limit)"
+        ),
+    )
+    fixed_layout: bool = Field(
+        False,
+        description=(
+            "the script's data layout depends on its own batch sizes: refuse config values, bench weak scaling "
+            "and tune trials that would change its global batch or micro batch (see docs/data.md)"
+        ),
+    )
 
 
 class OptimConfig(Section):
@@ -308,6 +323,14 @@ class ComputeConfig(Section):
 
 class TrainConfig(Section):
     epochs: int = Field(1, gt=0, description="epochs that session.epochs() yields")
+    max_steps: Optional[int] = Field(
+        None,
+        gt=0,
+        description=(
+            "end training after this many optimizer steps: epochs() and the training loaders end there "
+            "(phalanx bench and tune set it for their runs; null: no limit)"
+        ),
+    )
     seed: int = Field(
         0, description="seed for model init, shuffling and every rank's RNG (rank-offset where it must differ)"
     )

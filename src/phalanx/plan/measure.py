@@ -1,5 +1,9 @@
 """Facts about a real model for the planner: its parameter count, and the activation memory of
-one micro-batch, measured by counting the tensors autograd saves for backward."""
+one micro-batch, measured by counting the tensors autograd saves for backward.
+
+The micro-batch is either made from one sample's shape (batch first, one tensor) or returned by the
+user's own inputs function of the batch size, for a forward that takes several arguments (tokens and
+a hidden state), keyword arguments, or another layout (sequence first)."""
 
 from __future__ import annotations
 
@@ -14,8 +18,12 @@ from torch import nn
 from phalanx._torch_compat import view_base
 from phalanx.errors import PhalanxError
 from phalanx.runtime.recompute import apply_activation_checkpointing
+from phalanx.util.tree import map_tensors
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# A function of the micro-batch size B returning the inputs of one micro-batch: a tensor (the one
+# argument), a tuple or list (positional arguments) or a dict (keyword arguments).
+InputsFn = Callable[[int], Any]
 
 
 @dataclass(frozen=True)
@@ -34,20 +42,22 @@ class Activations:
         return fixed + self.per_sample * micro_batch
 
 
-def load_factory(path: str) -> Callable[..., nn.Module]:
-    """``package.module:factory`` -> the callable; errors name what did not resolve."""
+def load_factory(
+    path: str, flag: str = "--model", kind: str = "factory", example: str = "mypkg.models:build"
+) -> Callable[..., Any]:
+    """``package.module:factory`` -> the callable; errors name ``flag`` and what did not resolve."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise PhalanxError(f"--model expects package.module:factory, e.g. mypkg.models:build, got '{path}'")
+        raise PhalanxError(f"{flag} expects package.module:{kind}, e.g. {example}, got '{path}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise PhalanxError(
-            f"--model {path}: cannot import '{module_name}' ({err}); check the name and that it is on PYTHONPATH"
+            f"{flag} {path}: cannot import '{module_name}' ({err}); check the name and that it is on PYTHONPATH"
         ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise PhalanxError(f"--model {path}: '{module_name}' has no callable '{attr}'")
+        raise PhalanxError(f"{flag} {path}: '{module_name}' has no callable '{attr}'")
     return factory
 
 
@@ -69,13 +79,17 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
 def measure_activations(
     factory: Callable[..., nn.Module],
     kwargs: dict[str, Any],
-    input_shape: tuple[int, ...],
+    input_shape: tuple[int, ...] | None,
     input_dtype: torch.dtype,
     precision: str,
     checkpoint_classes: list[str] = (),
+    *,
+    inputs: InputsFn | None = None,
+    inputs_name: str = "",
 ) -> Activations:
     """Activation memory from two micro-batches (2 and 4 samples), on the meta device when the
-    model runs there (nothing is allocated), else on the CPU."""
+    model runs there (nothing is allocated), else on the CPU. ``inputs`` (named ``inputs_name`` in
+    errors) makes each micro-batch instead of ``input_shape`` and ``input_dtype``."""
     last: Exception | None = None
     for device in ("meta", "cpu"):
         try:
@@ -83,9 +97,11 @@ def measure_activations(
             for batch in (2, 4):
                 model = build(factory, kwargs, device)
                 apply_activation_checkpointing(model, list(checkpoint_classes), setting="--checkpoint")
-                sizes[batch] = _saved_bytes(
-                    model, _example_input(input_shape, input_dtype, batch, device), precision, device
-                )
+                if inputs is None:
+                    args, kw = (_example_input(input_shape, input_dtype, batch, device),), {}
+                else:
+                    args, kw = user_inputs(inputs, inputs_name, batch, device, last_try=device == "cpu")
+                sizes[batch] = _saved_bytes(model, args, precision, device, kw)
             per_sample = max(0.0, (sizes[4] - sizes[2]) / 2)
             fixed = max(0.0, sizes[2] - 2 * per_sample)
             copies = 2.0 * count_parameters(model) if _AUTOCAST[precision] is not None else 0.0
@@ -98,9 +114,43 @@ def measure_activations(
             raise
         except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as err:
             last = err
+    why = f"{type(last).__name__}: {(str(last).splitlines() or [''])[0]}"
+    if inputs is not None:
+        raise PhalanxError(f"the micro-batch from --inputs {inputs_name} does not run through the model: {why}")
     raise PhalanxError(
-        f"one micro-batch of shape {input_shape} does not run through the model: "
-        f"{type(last).__name__}: {str(last).splitlines()[0]}"
+        f"one micro-batch of shape {input_shape} does not run through the model: {why}; for a forward that "
+        "takes more than one argument, or inputs that are not batch-first, give --inputs MODULE:FUNCTION"
+    )
+
+
+class _InputsFailed(RuntimeError):
+    """The user's inputs function failed on the meta device: try the CPU."""
+
+
+def user_inputs(
+    inputs: InputsFn, name: str, batch: int, device: str, *, last_try: bool = True
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Call the inputs function for a micro-batch of ``batch`` samples, its tensors created on (or
+    moved to) ``device``, and split what it returned into positional and keyword arguments."""
+    try:
+        with torch.device(device):
+            value = inputs(batch)
+        value = map_tensors(value, lambda t: t.to(device))
+    except Exception as err:  # noqa: BLE001 - the user's function: any failure is one line
+        if not last_try:
+            raise _InputsFailed(str(err)) from err
+        raise PhalanxError(
+            f"--inputs {name} failed for a micro-batch of {batch}: {type(err).__name__}: {err}"
+        ) from None
+    if isinstance(value, torch.Tensor):
+        return (value,), {}
+    if isinstance(value, dict):
+        return (), dict(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(value), {}
+    raise PhalanxError(
+        f"--inputs {name} returned a {type(value).__name__}; return one micro-batch's inputs: a tensor, "
+        "a tuple of positional arguments or a dict of keyword arguments"
     )
 
 
@@ -110,7 +160,11 @@ def _example_input(shape: tuple[int, ...], dtype: torch.dtype, batch: int, devic
     return torch.zeros(batch, *shape, dtype=dtype, device=device)
 
 
-def _saved_bytes(model: nn.Module, x: torch.Tensor, precision: str, device: str) -> int:
+def _saved_bytes(
+    model: nn.Module, x: torch.Tensor | tuple, precision: str, device: str, kwargs: dict | None = None
+) -> int:
+    """``x``: the one input tensor, or a tuple of positional arguments (with ``kwargs``)."""
+    args = x if isinstance(x, tuple) else (x,)
     params = list(model.parameters())
     param_ids = {id(p) for p in params}
     param_storages = {p.untyped_storage().data_ptr() for p in params} if device != "meta" else set()
@@ -131,7 +185,7 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor, precision: str, device: str)
     dtype = _AUTOCAST[precision]
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None and device == "cpu" else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        model(x)
+        model(*args, **(kwargs or {}))
     total = 0
     for t in saved.values():
         nbytes = t.untyped_storage().nbytes() if device != "meta" else t.numel() * t.element_size()

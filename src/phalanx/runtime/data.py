@@ -1,9 +1,11 @@
 """Sharding data over data-parallel processes, and moving batches to the device.
 
 The global sample order never depends on the number of processes: every rank computes the same
-permutation, and rank r takes positions r, r+W, r+2W, ... . So the union of one optimizer step's
-micro-batches over all ranks is the same set of samples whatever W is, which is what makes N
-processes train like one.
+order, and one optimizer step consumes the next global batch of it whatever W is, which is what
+makes N processes train like one. A shuffled training order and an evaluation order are dealt out
+position by position (rank r takes r, r+W, r+2W, ...); an ordered training order is dealt out in
+contiguous shares of each global batch (runtime/shares.py), so a script that carries state per
+sample slot (truncated BPTT) finds the same slot in the same place at every step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from phalanx._torch_compat import sampler_has_custom_num_samples
 from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
 from phalanx.runtime.pinning import choose_pin, first_batch
+from phalanx.runtime.shares import StreamShare
 from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
 from phalanx.topology import cpu_count
 from phalanx.util.tree import map_tensors
@@ -35,6 +38,9 @@ class ShardedSampler(Sampler[int]):
     to: the global batch for training, so every optimizer step is full; the world size for
     evaluation, so every rank runs the same number of batches (the padding is dropped again by
     ``Session.gather_for_metrics``).
+
+    ``contiguous``: each block of ``multiple_of`` positions is cut into W contiguous shares, rank r
+    taking the r-th, instead of being dealt out position by position (ordered training loaders).
     """
 
     def __init__(
@@ -47,6 +53,7 @@ class ShardedSampler(Sampler[int]):
         seed: int,
         multiple_of: int,
         drop_last: bool = False,
+        contiguous: bool = False,
     ):
         if dataset_len == 0:
             raise PhalanxError("the dataset is empty; nothing to train or evaluate on")
@@ -57,6 +64,7 @@ class ShardedSampler(Sampler[int]):
         self.seed = seed
         self.multiple_of = multiple_of
         self.drop_last = drop_last
+        self.contiguous = contiguous
         self.epoch = 0
         # Global position where the next pass starts (a resumed epoch); one pass uses it up.
         self.start = 0
@@ -91,7 +99,15 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         start, self.start = self.start, 0
-        return iter(self.global_order()[start + self.rank :: self.world_size].tolist())
+        if not self.contiguous:
+            return iter(self.global_order()[start + self.rank :: self.world_size].tolist())
+        rest = self.global_order()[start:]
+        whole = len(rest) // self.multiple_of * self.multiple_of  # all of it, unless resumed off a step boundary
+        share = self.multiple_of // self.world_size
+        mine = rest[:whole].view(-1, self.multiple_of)[:, self.rank * share : (self.rank + 1) * share].flatten()
+        tail = rest[whole:]
+        part = len(tail) // self.world_size
+        return iter(torch.cat([mine, tail[self.rank * part : (self.rank + 1) * part]]).tolist())
 
     def __len__(self) -> int:
         return (self.global_len - self.start) // self.world_size
@@ -118,9 +134,11 @@ class DeviceLoader:
         train: bool,
         non_blocking: bool,
         prefetch_to_device: bool = True,
+        stream: StreamShare | None = None,
     ):
         self.loader = loader
         self.sampler = sampler
+        self.stream = stream  # an iterable dataset's training share (runtime/shares.py)
         self.device = device
         self.train = train
         self.non_blocking = non_blocking
@@ -135,6 +153,7 @@ class DeviceLoader:
         self.on_wait = None  # set by the Session: seconds each batch took to arrive (metrics)
         self.on_start = None  # set by the Session: called before a training pass begins
         self.on_iterating = None  # set by the Session: called once the pass's iterator exists
+        self.stop_when = None  # set by the Session: True once training must end (train.max_steps)
         self._pass_start = 0  # global position where the current pass began
         self._served = 0  # batches handed out in the current pass
         self._passes = 0  # passes started (iterators created)
@@ -165,7 +184,7 @@ class DeviceLoader:
 
     @property
     def batch_size(self) -> int | None:
-        return self.loader.batch_size
+        return self.stream.micro_batch_size if self.stream is not None else self.loader.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         if self.sampler is not None:
@@ -174,6 +193,8 @@ class DeviceLoader:
             self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
+        if self.stream is not None:
+            return self.stream.length(len(self.loader.dataset))  # TypeError without __len__, as a DataLoader
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
@@ -191,10 +212,14 @@ class DeviceLoader:
             torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
         self._passes += 1
         batches = iter(self.loader)
+        if self.stream is not None:
+            batches = self.stream.micro_batches(batches)
         if self.on_iterating is not None:
             self.on_iterating(self)
         # Positions, callbacks and waits count batches handed to the user, not batches fetched ahead.
         for batch, handle in staged(batches, self.transfer, ahead=self.fetch_ahead):
+            if self.stop_when is not None and self.stop_when():
+                return  # the pass ends as at the end of an epoch, so the script's own code after it runs
             if self.on_wait is not None:
                 self.on_wait(time.perf_counter() - requested)
             if self.state is not None:
@@ -228,7 +253,10 @@ def shard_loader(
     """
     if isinstance(loader.dataset, IterableDataset):
         # An iterable dataset decides its own order, and its workers split the stream between
-        # them: it is used as built (another worker count would change the data).
+        # them: it is used as built (another worker count would change the data). Training cuts the
+        # stream into global batches and keeps this rank's share (see runtime/shares.py).
+        drop = options.drop_last or loader.drop_last
+        stream = StreamShare(rank, world_size, multiple_of, batch_size, drop_last=drop) if train else None
         return DeviceLoader(
             loader,
             None,
@@ -236,6 +264,7 @@ def shard_loader(
             train=train,
             non_blocking=loader.pin_memory,
             prefetch_to_device=options.prefetch_to_device,
+            stream=stream,
         )
     if loader.batch_size is None:
         raise PhalanxError(
@@ -245,7 +274,14 @@ def shard_loader(
     shuffle = _shuffles(loader)
     drop_last = train and (options.drop_last or loader.drop_last)
     sampler = ShardedSampler(
-        len(loader.dataset), rank, world_size, shuffle=shuffle, seed=seed, multiple_of=multiple_of, drop_last=drop_last
+        len(loader.dataset),
+        rank,
+        world_size,
+        shuffle=shuffle,
+        seed=seed,
+        multiple_of=multiple_of,
+        drop_last=drop_last,
+        contiguous=train and not shuffle,  # the documented layout of ordered training (docs/data.md)
     )
     if options.num_workers == "auto":
         workers = auto_workers(cpu_count(), procs_per_node)

@@ -3,6 +3,7 @@ gather evaluation outputs back into dataset order without the samples the sample
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -30,10 +31,15 @@ def reduce(value: Any, op: str, *, data_parallel_size: int, world_size: int, com
 
 
 def gather_in_order(
-    tensor: torch.Tensor, *, data_parallel_size: int, world_size: int, comm_device: torch.device, loader: Any
+    tensor: Any, *, data_parallel_size: int, world_size: int, comm_device: torch.device, loader: Any
 ) -> torch.Tensor:
     """``loader``: the evaluation loader the tensor came from (its sampler state says where the
-    padding starts), or None / a training loader (then every gathered row is kept)."""
+    padding starts), or None / a training loader (then every gathered row is kept). A Python number
+    or 0-d tensor is one value per process, not rows: see :func:`gather_values`."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        return gather_values(
+            tensor, data_parallel_size=data_parallel_size, world_size=world_size, comm_device=comm_device
+        )
     if data_parallel_size == 1:
         return tensor  # every process saw the same samples (one process, or pipeline stages)
     local = tensor.to(comm_device).contiguous()
@@ -46,3 +52,26 @@ def gather_in_order(
     ordered = torch.stack(parts, dim=1).flatten(0, 1)
     keep = max(0, min(ordered.shape[0], state.dataset_len - world_size * state.batch_start))
     return ordered[:keep].to(tensor.device)
+
+
+def gather_values(value: Any, *, data_parallel_size: int, world_size: int, comm_device: torch.device) -> torch.Tensor:
+    """A Python number or 0-d tensor from every process -> a 1-d tensor of the processes' values in
+    rank order (one value with one data-parallel process). Numbers become float64 (int64 for whole
+    numbers and bools) on the CPU; a tensor keeps its dtype and device. A per-batch value cannot
+    tell padded samples from real ones, so none is removed."""
+    if isinstance(value, torch.Tensor):
+        local = value.detach().reshape(1)  # a metric: a loss's graph need not come along
+    elif isinstance(value, numbers.Real):
+        whole = isinstance(value, (bool, numbers.Integral))
+        local = torch.tensor([value], dtype=torch.int64 if whole else torch.float64)
+    else:
+        raise PhalanxError(
+            f"gather_for_metrics takes a tensor or a number, not {type(value).__name__}; "
+            "gather a tensor (one row per sample) or one number per batch"
+        )
+    if data_parallel_size == 1:
+        return local
+    on_comm = local.to(comm_device)
+    parts = [torch.empty_like(on_comm) for _ in range(world_size)]
+    dist.all_gather(parts, on_comm)
+    return torch.cat(parts).to(local.device)

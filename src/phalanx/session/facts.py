@@ -4,8 +4,9 @@ each model, and which settings the script gave in code. ``phalanx tune`` reads i
 script's batch plan (even when the first step then runs out of memory) and whether the bucket size
 can matter; the console line says the same to people.
 
-The file is written once, by rank 0, at the end of the first ``session.setup()``, atomically, so a
-reader sees the whole file or none.
+Rank 0 writes the file at the end of the first ``session.setup()``, and again whenever a later
+``setup()`` or ``setup_loader()`` call changes the batch plan or the models (a script may set up its
+model first and its training loader after), each time atomically, so a reader sees a whole file or none.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RunFacts:
     models: tuple[ModelFacts, ...]
     lr_scaling: str | None  # the learning-rate rule in words
     code_settings: frozenset[str]  # config keys the script set in code (phalanx.Session(...))
+    fixed_layout: bool = False  # the script fixed its batch layout: bench and tune keep the batch as it is
 
     @property
     def trainable_parameters(self) -> int:
@@ -81,6 +83,7 @@ def write_run_facts(
     models: Iterable[nn.Module],
     lr_scaling: str | None,
     config_sources: Mapping[str, str],
+    fixed_layout: bool = False,
 ) -> Path:
     """Write ``<run_dir>/session.json``; ``config_sources`` maps each config key to where its value
     came from (``Config.sources``)."""
@@ -99,6 +102,7 @@ def write_run_facts(
             "micro_batch_size": batch.micro_batch_size,
             "accumulation_steps": batch.accumulation_steps,
             "data_parallel_size": batch.data_parallel_size,
+            "fixed_layout": fixed_layout,
         },
         "models": [{"trainable_parameters": f.trainable_parameters, "gradient_bytes": f.gradient_bytes} for f in facts],
         "total": {
@@ -158,6 +162,7 @@ def read_run_facts(run_dir: str | Path) -> RunFacts | None:
             ),
             lr_scaling=None if document["lr_scaling"] is None else str(document["lr_scaling"]),
             code_settings=frozenset(str(key) for key in document["code_settings"]),
+            fixed_layout=batch is not None and batch.get("fixed_layout") is True,  # absent before the lock existed
         )
     except (KeyError, TypeError, ValueError) as err:
         what = f"no {err.args[0]!r}" if isinstance(err, KeyError) else str(err)

@@ -34,7 +34,7 @@ from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
 from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.loader import load_config, override_config
 from phalanx.config.preset import fit_to_device
-from phalanx.config.schema import Config
+from phalanx.config.schema import BatchConfig, Config
 from phalanx.config.template import write_resolved
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.faults.lifeline import watch_launcher
@@ -46,12 +46,17 @@ from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.runtime.precision import Precision
 from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
+from phalanx.runtime.shares import shard_tensors
 from phalanx.session import collectives
 from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.guards import PortingGuards
+from phalanx.session.layout import LayoutLock
+from phalanx.session.limit import StepLimit
+from phalanx.session.manual import GradientKeeping
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
 from phalanx.strategies import create_strategy
+from phalanx.strategies.surface import expose
 from phalanx.topology import LaunchContext, Topology
 
 
@@ -60,6 +65,7 @@ class Session:
         """``config`` defaults to :meth:`Config.load` (phalanx.yaml or the launcher's config);
         keyword arguments override sections, e.g. ``Session(strategy="ddp", batch={"micro_batch_size": 8})``."""
         self.context = LaunchContext.from_env()
+        given = config  # with ``sections``, the script's own settings (see layout.py)
         if config is None:
             config = load_config(sections=sections, context=self.context)
         elif sections or (self.context and self.context.overrides) or config.preset != "none":
@@ -83,11 +89,11 @@ class Session:
             self.metrics.cpu_peak = self.memory_cap.used_bytes  # CUDA records the allocator's peak itself
 
         self.batch: BatchPlan | None = None
-        if config.batch.global_batch_size or config.batch.micro_batch_size:
+        self.layout = LayoutLock(config, given, sections)
+        if config.batch.global_batch_size or config.batch.micro_batch_size or config.batch.max_micro_batch_size:
             # Refuse an impossible batch now rather than at setup(); setup() may refine it.
-            self.batch = plan_batch(
-                self.strategy.data_parallel_size, config.batch.global_batch_size, config.batch.micro_batch_size
-            )
+            self.batch = self._plan_sizes(config.batch.global_batch_size)
+            self.layout.check(self.batch, None, self._plan_sizes)
         self.lr_scaling: LRScaling | None = None
         self.state = TrainState(self.device)  # step, epoch, micro-step, data positions, RNG
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
@@ -98,10 +104,14 @@ class Session:
         self._last_loss: torch.Tensor | None = None
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
+        self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
         self._closed = False
         self._set_up = False
+        self._seeded = False  # the per-rank re-seed waits for the first model (see setup())
+        self._announced: tuple | None = None  # what the console line and session.json last said
+        self.step_limit = StepLimit(config.train.max_steps, lambda: self.state.step, self.print)
         run_dir = self.context.run_dir if self.context else None
         checkpointer = Checkpointer(
             self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last
@@ -172,19 +182,21 @@ class Session:
             out[i] = self._setup_one(objects[i])
         if self.lr_scaling is None:
             self._plan(None)  # no training loader: the config's sizes alone
-        if not self._set_up:
+        if not self._seeded and self._models:
             # Every rank built the same initial weights from the same seed; from here on ranks
-            # should draw different dropout masks and augmentations.
+            # should draw different dropout masks and augmentations. Waiting for the first model
+            # lets a script set up its loaders first and build the model after.
             _seed_everything(self.config.train.seed + self.rank)
-            self._announce()
-            self._set_up = True
+            self._seeded = True
+        self._set_up = True
+        self._announce()
         if self.memory_cap is not None and self.step_count == 0:
             self.memory_cap.start()  # what training adds counts, not what the script loaded before
         return out[0] if len(out) == 1 else tuple(out)
 
     def _setup_one(self, obj: Any) -> Any:
         if isinstance(obj, DataLoader):
-            return self.setup_loader(obj, train=is_training_loader(obj))
+            return self._setup_loader(obj, train=is_training_loader(obj))
         if isinstance(obj, nn.Module):
             return self._setup_model(obj)
         if isinstance(obj, torch.optim.Optimizer):
@@ -199,8 +211,23 @@ class Session:
             return obj
         raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
 
-    def setup_loader(self, loader: DataLoader, *, train: bool) -> DeviceLoader:
-        """Shard one DataLoader explicitly as a training (``train=True``) or evaluation loader."""
+    def setup_loader(self, loader: DataLoader, *, train: bool, fixed_layout: bool = False) -> DeviceLoader:
+        """Shard one DataLoader explicitly as a training (``train=True``) or evaluation loader, before
+        or after ``setup()``: a training loader set up later completes the batch plan.
+        ``fixed_layout``: the loader's batch sizes must not change (``batch.fixed_layout``, docs/data.md)."""
+        if fixed_layout:
+            if not train:
+                raise PhalanxError(
+                    "setup_loader(..., fixed_layout=True) is for a training loader: pass train=True, "
+                    "or drop fixed_layout (an evaluation loader's batches never change the training)"
+                )
+            self.layout.declare("setup_loader(..., fixed_layout=True)")
+        wrapped = self._setup_loader(loader, train=train)
+        if self._set_up:
+            self._announce()  # the plan may be new: tune and bench read it from session.json
+        return wrapped
+
+    def _setup_loader(self, loader: DataLoader, *, train: bool) -> DeviceLoader:
         dp = self.strategy.data_parallel_size
         if train:
             self._plan(loader.batch_size)
@@ -223,19 +250,23 @@ class Session:
         )
         wrapped.on_batch = self._on_batch
         wrapped.on_wait = self.metrics.add_wait if train else None
+        if wrapped.stream is not None:
+            wrapped.stream.say = self.print  # a stream's incomplete last global batch is dropped with a line
         if train:
             wrapped.on_start = lambda _: self.recovery.ensure_resumed()
             wrapped.on_iterating = lambda _: self.state.restore_rng()
             self.state.add_loader(wrapped)
+            wrapped.stop_when = self.step_limit.reached
         self._loaders.append(wrapped)
         return wrapped
 
     def _plan(self, loader_batch_size: int | None) -> None:
         cfg = self.config
         global_bs = cfg.batch.global_batch_size or loader_batch_size
-        if global_bs is None and cfg.batch.micro_batch_size is None:
+        if global_bs is None and cfg.batch.micro_batch_size is None and cfg.batch.max_micro_batch_size is None:
             return
-        self.batch = plan_batch(self.strategy.data_parallel_size, global_bs, cfg.batch.micro_batch_size)
+        self.batch = self._plan_sizes(global_bs)
+        self.layout.check(self.batch, loader_batch_size, self._plan_sizes)
         reference = cfg.optim.reference_batch_size or loader_batch_size
         if reference is None:
             if cfg.optim.lr_scaling != "none":
@@ -251,6 +282,13 @@ class Session:
             cfg.optim.warmup_start_factor,
         )
 
+    def _plan_sizes(self, global_batch_size: int | None, batch: BatchConfig | None = None) -> BatchPlan:
+        """``batch``: other sizes than the config's (the layout lock plans the script's own)."""
+        cfg, dp = self.config, self.strategy.data_parallel_size
+        b = batch or cfg.batch
+        multiple = type(self.strategy).micro_batch_multiple(cfg, self.world_size)
+        return plan_batch(dp, global_batch_size, b.micro_batch_size, b.max_micro_batch_size, multiple_of=multiple)
+
     def _setup_model(self, model: nn.Module) -> nn.Module:
         model, compiled = self.compute.take_compiled_apart(model)
         model = self.strategy.place(model)
@@ -260,6 +298,8 @@ class Session:
         if self.precision.mode != "fp32":
             wrapped.forward = self.precision.wrap_forward(wrapped.forward, autocast=not self.strategy.handles_precision)
         wrapped = self.compute.after_wrap(wrapped, compile_anyway=compiled)
+        # The user's methods, attributes and state-dict keys on what they get back (same object).
+        wrapped = expose(wrapped, model, self.strategy.direct_calls)
         self._models.append(wrapped)
         self.metrics.watch_model(wrapped, self.strategy.unwrap(wrapped))
         return wrapped
@@ -274,19 +314,39 @@ class Session:
         return self.state.micro - (1 if self._in_accumulate else 0)
 
     def _announce(self) -> None:
+        """The console line and session.json: at the first setup, and again whenever a later setup
+        call changes the batch plan or the models, so they hold the whole set-up in any order."""
         if not self.is_main:
             return
+        now = (self.batch, len(self._models), self.layout.fixed)
+        if self._announced is not None:
+            if now == self._announced:
+                return
+            self._announced = now
+            update = [describe_model_size(self._models)] if self._models else []
+            if self.batch:
+                update += [self.batch.describe() + self._layout_words()]
+                update += [self.lr_scaling.describe()] if self.lr_scaling else []
+            print("phalanx: set up " + " | ".join(update), flush=True)
+            self._write_facts()
+            return
+        self._announced = now
         parts = [self.strategy.describe(), f"device {self.device.type}", f"precision {self.precision.mode}"]
         if self._models:
             parts.append(describe_model_size(self._models))
         if self.batch:
-            parts.append(self.batch.describe())
+            parts.append(self.batch.describe() + self._layout_words())
         if self.lr_scaling:
             parts.append(self.lr_scaling.describe())
         parts.extend(self.compute.describe())
         if self.config.preset != "none":
             parts.append(f"preset {self.config.preset}")
         print("phalanx: " + " | ".join(parts), flush=True)
+        self._write_facts()
+        for note in self.compute.notes:
+            print(note, flush=True)
+
+    def _write_facts(self) -> None:
         if self.context and self.context.run_dir:
             write_run_facts(
                 self.context.run_dir,
@@ -298,9 +358,11 @@ class Session:
                 models=self._models,
                 lr_scaling=self.lr_scaling.describe() if self.lr_scaling else None,
                 config_sources=self.config.sources,
+                fixed_layout=self.layout.fixed,
             )
-        for note in self.compute.notes:
-            print(note, flush=True)
+
+    def _layout_words(self) -> str:
+        return " (layout fixed)" if self.layout.fixed else ""
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, epochs: int | None = None) -> Iterator[int]:
@@ -308,6 +370,8 @@ class Session:
         total = self.config.train.epochs if epochs is None else epochs
         self.recovery.ensure_resumed()
         for epoch in range(self.state.epoch, total):
+            if self.step_limit.reached():
+                return  # the epoch stays where training stopped: a resume with a higher limit goes on from there
             self.state.epoch = epoch
             for loader in self._loaders:
                 loader.set_epoch(epoch)
@@ -368,7 +432,9 @@ class Session:
             )
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
+        self.gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and self.state.micro > 1)
         self._last_loss = self.strategy.backward(loss, self.precision, steps)
+        self.gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self.memory_cap is not None:
             self.memory_cap.check()
 
@@ -389,7 +455,7 @@ class Session:
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
         self.guards.check_schedulers()
-        if self.config.optim.max_grad_norm is not None:
+        if self.config.optim.max_grad_norm is not None and self.gradients.clips_at_step():
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
         multiplier = self.lr_multiplier
@@ -422,6 +488,7 @@ class Session:
                 self.guards.mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
+            self.gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
             lr = base[0][0] * multiplier if base else None
             self.metrics.record(
                 stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr
@@ -444,6 +511,7 @@ class Session:
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
+        self.gradients.after_step()
 
     def _loss_value(self) -> float | None:
         return float(self._last_loss) if self._last_loss is not None else None
@@ -464,10 +532,25 @@ class Session:
         """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min."""
         return collectives.reduce(value, op, **self._collective_args())
 
-    def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
+    def gather_for_metrics(self, tensor: torch.Tensor | float | int) -> torch.Tensor:
         """Gather a per-batch tensor from every process, in dataset order, without the samples the
-        sampler padded in; so metrics over an evaluation loader equal single-process ones exactly."""
+        sampler padded in; so metrics over an evaluation loader equal single-process ones exactly.
+        A Python number or 0-d tensor gives a 1-d tensor of every process's value, in rank order."""
         return collectives.gather_in_order(tensor, loader=self._active_loader, **self._collective_args())
+
+    def shard(self, *tensors: torch.Tensor, dim: int = 0, micro_steps: bool = False) -> Any:
+        """This rank's share of tensors already in memory: along ``dim``, each global batch's
+        contiguous share (docs/data.md#tensors-already-in-memory). ``micro_steps``: a tensor one global
+        batch wide (a stream's columns) as a list of one piece per micro-step, in the order they run."""
+        s = self.strategy
+        return shard_tensors(
+            tensors,
+            dim=dim,
+            rank=s.data_parallel_rank,
+            world_size=s.data_parallel_size,
+            plan=self.batch,
+            micro_steps=micro_steps,
+        )
 
     def _collective_args(self) -> dict[str, Any]:
         dp = self.strategy.data_parallel_size

@@ -65,6 +65,12 @@ class Strategy:
     # Each process holds its own run of the model's layers (pipeline stages): parameters and
     # stored activations are disjoint across ranks, and a model's size is their sum.
     splits_layers: ClassVar[bool] = False
+    # What a method of the user's model, reached through the model setup() returns, may do when it
+    # runs the model's layers itself (self(...), self.encoder(...)) and so bypasses the wrapper
+    # (strategies/surface.py): "any" (nothing is lost, or there is no wrapper), "no_grad" (the
+    # wrapper synchronises gradients: refused while autograd records a trainable layer), "none"
+    # (the layers are split over processes: always refused).
+    direct_calls: ClassVar[str] = "any"
     # What a refusal for a missing capability adds after naming it: why, and the fix; keyed by
     # the setting refused ("precision.mode", "compute.channels_last", ...). checks.py writes a
     # generic fix where a strategy gives none.

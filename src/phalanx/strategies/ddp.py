@@ -22,6 +22,7 @@ class DDP(Strategy):
     needs_process_group = True
     ddp_buckets = True
     local_forward = True  # the bare module under the DDP wrapper
+    direct_calls = "no_grad"  # DDP's forward prepares the gradient all-reduce
 
     def __init__(self, config, topology):
         super().__init__(config, topology)

@@ -68,6 +68,8 @@ class FSDP(Strategy):
         for unit in self._shard_units(model):
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+        # model.load_state_dict() takes the user's plain weights, as under every other strategy.
+        model.register_load_state_dict_pre_hook(_shard_full_tensors)
         # fully_shard replaces every parameter with a sharded one; optimizers built on the old
         # ones are rebuilt in wrap_optimizer through this map.
         after = dict(model.named_parameters())
@@ -145,6 +147,19 @@ class FSDP(Strategy):
     def describe(self) -> str:
         mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"
         return f"fsdp over {plural(self.topology.world_size, 'process')} ({mode})"
+
+
+def _shard_full_tensors(module: nn.Module, state: dict, prefix: str, *_: object) -> None:
+    """A plain (full) tensor given for a sharded parameter becomes this rank's shard of it, cut
+    locally: load_state_dict of a plain dict means every rank holds the whole tensor, so no
+    collective is needed (and calling it on one rank alone cannot hang)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in module.named_parameters():
+        value = state.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            local = value.detach().to(param.device)
+            state[prefix + name] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
 
 
 @contextlib.contextmanager

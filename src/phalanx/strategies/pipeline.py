@@ -21,6 +21,7 @@ from phalanx.errors import ConfigError, PhalanxError
 from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.deferred import DeferredOutput
 from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
+from phalanx.strategies.surface import ModelSurface
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
 
@@ -47,6 +48,7 @@ class Pipeline(Strategy):
     shards = Sharding(parameters=True, gradients=True, optimizer=True)
     needs_sequential = True
     splits_layers = True
+    direct_calls = "none"
     advice: ClassVar[dict[str, str]] = {
         "precision.mode": "(fp32 only for now); set precision.mode fp32, or use fsdp or ddp for bf16/fp16",
     }
@@ -211,12 +213,25 @@ class Pipeline(Strategy):
 
     def sharded_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """This stage's weights under the full model's names: what torch.distributed.checkpoint saves."""
-        return {f"{name}.{key}": value for name, unit in self._own_units() for key, value in unit.state_dict().items()}
+        return self.stage_state_dict()
+
+    def stage_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """This stage's entries under the full model's names (``model.state_dict()`` of what setup() returned)."""
+        return {
+            f"{prefix}{name}.{key}": value
+            for name, unit in self._own_units()
+            for key, value in unit.state_dict(keep_vars=keep_vars).items()
+        }
 
     def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.load_stage_state_dict(state)
+
+    def load_stage_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False) -> None:
+        """Load this stage's entries of ``state`` (keyed by the full model's names; others are ignored)."""
         for name, unit in self._own_units():
             prefix = f"{name}."
-            unit.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+            own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            unit.load_state_dict(own, strict=strict, assign=assign)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.load_sharded_model_state_dict(model, state)  # a full dict holds every stage's keys
@@ -274,8 +289,9 @@ class Pipeline(Strategy):
         )
 
 
-class _PipelineModel(nn.Module):
-    """What setup() returns: calls give a deferred output in training, real outputs in evaluation."""
+class _PipelineModel(ModelSurface):
+    """What setup() returns: calls give a deferred output in training, real outputs in evaluation.
+    Other attributes are the user's model's (see surface.py); its state dict is this stage's."""
 
     def __init__(self, strategy: Pipeline):
         super().__init__()
@@ -287,6 +303,19 @@ class _PipelineModel(nn.Module):
             return DeferredOutput(args)
         with torch.no_grad():
             return self._strategy.forward_only(*args)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """This stage's entries under the user's model's names; the other stages' are on their own
+        processes (``session.model_state_dict()`` gathers every stage)."""
+        own = self._strategy.stage_state_dict(prefix, keep_vars)
+        if destination is None:
+            return own
+        destination.update(own)
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads this stage's entries of a state dict of the user's whole model (the other keys are ignored)."""
+        self._strategy.load_stage_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def cannot_cut(batch: int, settings: PipelineConfig, stages: int) -> str:

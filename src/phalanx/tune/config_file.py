@@ -7,6 +7,10 @@ must read as set, and every other value as before. A YAML file this editor canno
 style, multi-line values) is rewritten from its parsed contents instead, which keeps every value
 but drops the comments (said so in the result). The previous version is kept next to it as
 ``<name>.bak``, and the new text is validated as a phalanx config before it replaces the old one.
+
+A value may replace another key (``batch.max_micro_batch_size`` replaces ``batch.micro_batch_size``,
+which would otherwise still pin the micro batch): the old key's line is renamed in place, keeping
+its comment, or removed when the new key is there already.
 """
 
 from __future__ import annotations
@@ -36,17 +40,21 @@ class Written:
     path: Path
     backup: Path | None  # None: the file did not exist
     comments_kept: bool
+    removed: tuple[str, ...] = ()  # keys the file held that a written value replaced
 
 
-def write_values(path: Path, values: Mapping[str, Any]) -> Written:
+def write_values(path: Path, values: Mapping[str, Any], replaces: Mapping[str, str] | None = None) -> Written:
     """Set dotted ``values`` (``{"batch.micro_batch_size": 8}``) in the YAML or TOML file ``path``,
-    creating it when absent."""
+    creating it when absent. ``replaces`` maps a key of ``values`` to the key it supersedes, which
+    leaves the file."""
     toml = path.suffix == ".toml"
     existed = path.is_file()
     old_text = path.read_text(encoding="utf-8") if existed else ""
     old = read_file(path) if existed else {}
-    new_text = (edit_toml if toml else edit_yaml)(old_text, values)
-    kept = _reads_as(new_text, old, values, toml)
+    flat_old = flatten(old)
+    replaces = {new: gone for new, gone in (replaces or {}).items() if new in values and gone in flat_old}
+    new_text = (edit_toml if toml else edit_yaml)(old_text, values, replaces)
+    kept = _reads_as(new_text, old, values, toml, tuple(replaces.values()))
     if not kept:
         if toml:
             listing = ", ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
@@ -54,6 +62,8 @@ def write_values(path: Path, values: Mapping[str, Any]) -> Written:
                 f"could not edit {path} safely (phalanx writes TOML only line by line); set these by hand: {listing}"
             )
         tree = copy.deepcopy(old)
+        for gone in replaces.values():
+            _drop(tree, gone)
         for key, value in values.items():
             _set(tree, key, value)
         new_text = yaml.safe_dump(tree, sort_keys=False)
@@ -72,15 +82,23 @@ def write_values(path: Path, values: Mapping[str, Any]) -> Written:
         backup = path.with_name(path.name + ".bak")
         shutil.copy2(path, backup)
     os.replace(staging, path)
-    return Written(path, backup, comments_kept=kept or not existed)
+    return Written(path, backup, comments_kept=kept or not existed, removed=tuple(replaces.values()))
 
 
 # -- YAML -----------------------------------------------------------------------------------------
 _YAML_KEY = re.compile(r"^(?P<indent>[ ]*)(?P<key>[A-Za-z_][\w-]*)[ ]*:(?P<rest>.*)$")
 
 
-def edit_yaml(text: str, values: Mapping[str, Any]) -> str:
+def edit_yaml(text: str, values: Mapping[str, Any], replaces: Mapping[str, str] | None = None) -> str:
     lines = text.splitlines()
+    for new, gone in (replaces or {}).items():
+        at = _yaml_find(lines, gone.split("."))
+        if at is not None:
+            if _yaml_find(lines, new.split(".")) is not None:
+                del lines[at]
+            else:  # the old key's line takes the new key's name; its value is set below
+                key = gone.split(".")[-1]
+                lines[at] = lines[at].replace(key, new.split(".")[-1], 1)
     for dotted, value in values.items():
         lines = _yaml_set(lines, dotted.split("."), scalar(value))
     return "\n".join(lines) + "\n"
@@ -118,6 +136,30 @@ def _yaml_set(lines: list[str], parts: list[str], rendered: str) -> list[str]:
     return lines
 
 
+def _yaml_find(lines: list[str], parts: list[str]) -> int | None:
+    """The line of the dotted key ``parts`` (a leaf on its own line), or None."""
+    start, end, indent = 0, len(lines), -1
+    for depth, part in enumerate(parts):
+        child_indent = _child_indent(lines, start, end, indent)
+        found = next(
+            (
+                i
+                for i in range(start, end)
+                if (match := _YAML_KEY.match(lines[i]))
+                and len(match.group("indent")) == child_indent
+                and match.group("key") == part
+            ),
+            None,
+        )
+        if found is None or depth == len(parts) - 1:
+            return found
+        indent, start = child_indent, found + 1
+        end = next(
+            (i for i in range(start, end) if _indent_of(lines[i]) is not None and _indent_of(lines[i]) <= indent), end
+        )
+    return None
+
+
 def _keep_comment(line: str, new: str) -> str:
     """``new`` followed by ``line``'s trailing comment, in the same column when there is room."""
     comment = re.search(r"\s+(#.*)$", line)
@@ -153,8 +195,15 @@ def _block_end(lines: list[str], start: int, end: int) -> int:
 
 
 # -- TOML -----------------------------------------------------------------------------------------
-def edit_toml(text: str, values: Mapping[str, Any]) -> str:
+def edit_toml(text: str, values: Mapping[str, Any], replaces: Mapping[str, str] | None = None) -> str:
     lines = text.splitlines()
+    for new, gone in (replaces or {}).items():
+        at = _toml_find(lines, gone)
+        if at is not None:
+            if _toml_find(lines, new) is not None:
+                del lines[at]
+            else:
+                lines[at] = lines[at].replace(gone.split(".")[-1], new.split(".")[-1], 1)
     for dotted, value in values.items():
         *sections, key = dotted.split(".")
         header = "[" + ".".join(sections) + "]"
@@ -172,6 +221,16 @@ def edit_toml(text: str, values: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _toml_find(lines: list[str], dotted: str) -> int | None:
+    *sections, key = dotted.split(".")
+    header = "[" + ".".join(sections) + "]"
+    start = next((i + 1 for i, line in enumerate(lines) if line.split("#")[0].strip() == header), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+    return next((i for i in range(start, end) if re.match(rf"^\s*{re.escape(key)}\s*=", lines[i])), None)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -181,8 +240,8 @@ def _toml_value(value: Any) -> str:
 
 
 # -- checks ---------------------------------------------------------------------------------------
-def _reads_as(text: str, old: dict, values: Mapping[str, Any], toml: bool) -> bool:
-    """``text`` holds every old value unchanged and every new one as set."""
+def _reads_as(text: str, old: dict, values: Mapping[str, Any], toml: bool, removed: tuple[str, ...] = ()) -> bool:
+    """``text`` holds every old value unchanged (but the ``removed`` keys) and every new one as set."""
     try:
         data = tomllib.loads(text) if toml else (yaml.safe_load(text) or {})
     except Exception:  # noqa: BLE001 - any parse failure means the edit went wrong
@@ -190,8 +249,17 @@ def _reads_as(text: str, old: dict, values: Mapping[str, Any], toml: bool) -> bo
     if not isinstance(data, dict):
         return False
     expected = flatten(old)
+    for key in removed:
+        expected.pop(key, None)
     expected.update(values)
     return flatten(data) == expected
+
+
+def _drop(tree: dict, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.get(part) or {}
+    tree.pop(leaf, None)
 
 
 def _set(tree: dict, dotted: str, value: Any) -> None:

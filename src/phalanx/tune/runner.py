@@ -2,7 +2,9 @@
 from the previous stage's winner:
 
 1. micro-batch: the largest that fits in device memory (doubling, then bisection; see search.py),
-   and the fastest of those that fit;
+   and the fastest of those that fit, written as ``batch.max_micro_batch_size``: a per-device limit
+   from which the Session plans the micro-batch for any process count, where an exact
+   ``batch.micro_batch_size`` would divide the global batch for this count only;
 2. loader workers: 0, 1, 2, ... until the step no longer waits for data;
 3. DDP bucket size (ddp and zero1 with several processes).
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from phalanx.bench.launching import TrialOptions, quiet_overrides
+from phalanx.bench.launching import TrialOptions, quiet_overrides, stop_note
 from phalanx.errors import PhalanxError
 from phalanx.launch.launcher import LaunchPlan, new_run_dir, prepare
 from phalanx.strategies import strategy_class
@@ -32,6 +34,7 @@ from phalanx.util.units import MIB, format_bytes
 from phalanx.util.words import plural
 
 STAGES = ("micro-batch", "workers", "bucket")
+LIMIT, EXACT = "batch.max_micro_batch_size", "batch.micro_batch_size"
 
 
 class TuneFailed(PhalanxError):
@@ -98,6 +101,8 @@ class _Tuner:
         _check_options(options)
         extra = (f"train.memory_cap={options.memory_cap}",) if options.memory_cap else ()
         self.base: LaunchPlan = prepare(options.request(self.script, self.script_args, options.nproc, extra))
+        if self.base.config.batch.fixed_layout:
+            _refuse_global_batch(options, "batch.fixed_layout is true in the config")
         if self.base.rendezvous.nnodes > 1:
             raise PhalanxError("phalanx tune runs on one machine; tune on one node, then use the values on every node")
         self.nproc = self.base.devices.nproc
@@ -135,6 +140,9 @@ class _Tuner:
         if settings is not None and not again:
             self._by_settings[settings] = trial
         self.say(_progress_line(trial))
+        note = stop_note(run, f"tune trial {number}", self.cap)
+        if note:
+            self.say(note)
         return trial
 
     def confirmed(self, stage: str, current: Trial, winner: Trial) -> bool:
@@ -190,6 +198,8 @@ class _Tuner:
                 f"its output is in {start.log}"
             )
         self.plan = plan
+        if plan.fixed_layout:
+            _refuse_global_batch(o, "the script fixes its batch layout (batch.fixed_layout)")
         global_batch, micro = plan.global_batch, plan.micro
         config = self.base.config
         bucket = config.strategy.ddp.bucket_cap_mb if self._bucket_applies() else None
@@ -226,10 +236,15 @@ class _Tuner:
                     f"the script sets {key} in code (phalanx.Session(...)), which beats the config file: "
                     f"change it there, or pass --set {key}={values[key]} to launch"
                 )
+        if LIMIT in values and EXACT in code:
+            warnings.append(
+                f"the script sets {EXACT} in code (phalanx.Session(...)), which is used exactly and beats "
+                f"{LIMIT}: remove it there"
+            )
         config_path = Path(o.config_file) if o.config_file else Path("phalanx.yaml")
         written = None
         if values and not o.dry_run and failure is None:
-            written = write_values(config_path, values)
+            written = write_values(config_path, values, replaces={LIMIT: EXACT})
         result = TuneResult(self.directory, self.trials, stages, values, config_path, written, warnings, failure)
         (self.directory / "tune.json").write_text(
             json.dumps(_document(result, o, device, self.nproc), indent=2) + "\n", encoding="utf-8"
@@ -238,6 +253,8 @@ class _Tuner:
 
     def micro_stage(self, current: Settings, start: Trial) -> tuple[Settings, StageResult]:
         o = self.options
+        if self.plan.fixed_layout:
+            return current, _fixed_layout_stage(self.label(current), start)
         per_process = current.global_batch // self.dp
         keep = not o.allow_global_batch
         most = o.max_micro_batch or (per_process if keep else 8 * per_process)
@@ -294,7 +311,8 @@ class _Tuner:
             )
         elif len(tried) > 1:
             text += f"; kept the script's own {current.micro}: no other measured {search.MIN_GAIN:.0%} faster"
-        values: dict[str, object] = {"batch.micro_batch_size": chosen.settings.micro}
+        # A limit, not the size: at another process count the Session divides the global batch anew.
+        values: dict[str, object] = {LIMIT: chosen.settings.micro}
         if chosen.settings.global_batch != current.global_batch:
             lr = search.lr_settings(
                 current.global_batch,
@@ -380,6 +398,27 @@ class _Tuner:
 
 def run_tune(options: TuneOptions, say: Callable[[str], None] = print) -> TuneResult:
     return _Tuner(options, say).run()
+
+
+def _refuse_global_batch(options: TuneOptions, why: str) -> None:
+    if options.allow_global_batch:
+        raise PhalanxError(
+            f"--allow-global-batch: {why}, so tune keeps the script's global batch; drop --allow-global-batch"
+        )
+
+
+def _fixed_layout_stage(kept: str, start: Trial) -> StageResult:
+    """The micro-batch stage of a script whose batch layout is fixed: nothing to search."""
+    if start.outcome == OOM:
+        raise TuneFailed(
+            f"the script's own batch ({kept}) runs out of memory ({start.detail}), and the script fixes its batch "
+            "layout (batch.fixed_layout), so tune may not lower the micro-batch; lower the batch sizes in the script"
+        )
+    return StageResult(
+        "micro-batch",
+        f"micro-batch: kept {kept}: the script fixes its batch layout (batch.fixed_layout), so tune changes "
+        "neither its global batch nor its micro-batch and tunes only what leaves them as they are",
+    )
 
 
 def _check_options(options: TuneOptions) -> None:

@@ -34,7 +34,12 @@ class Settings:
     bucket_mb: float | None = None
 
     def overrides(self) -> tuple[str, ...]:
-        out = [f"batch.micro_batch_size={self.micro}", f"batch.global_batch_size={self.global_batch}"]
+        # Exact sizes: a limit of the user's (batch.max_micro_batch_size) would refuse larger ones.
+        out = [
+            f"batch.micro_batch_size={self.micro}",
+            f"batch.global_batch_size={self.global_batch}",
+            "batch.max_micro_batch_size=null",
+        ]
         if self.workers is not None:
             out.append(f"data.num_workers={self.workers}")
         if self.bucket_mb is not None:
@@ -149,6 +154,7 @@ class Announced:
     micro: int
     processes: int  # data-parallel
     gradient_mib: float | None  # trainable parameters' gradients on rank 0
+    fixed_layout: bool = False  # the script fixed its batch layout: tune changes neither size
 
 
 def announced(run_dir: Path | None) -> Announced | None:
@@ -158,7 +164,9 @@ def announced(run_dir: Path | None) -> Announced | None:
         return None
     plan = facts.batch
     gradients = facts.gradient_bytes / MIB if facts.models else None
-    return Announced(plan.global_batch_size, plan.micro_batch_size, plan.data_parallel_size, gradients)
+    return Announced(
+        plan.global_batch_size, plan.micro_batch_size, plan.data_parallel_size, gradients, facts.fixed_layout
+    )
 
 
 def code_settings(run_dir: Path | None) -> set[str]:
