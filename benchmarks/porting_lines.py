@@ -1,7 +1,8 @@
 """How many lines a port changes: each port of examples/word_lm/lm_single.py against the original,
 counting code lines added plus lines removed (a changed line counts twice, as in `git diff
 --numstat`). The module docstring, comments and blank lines are left out, so a port is not charged
-for explaining itself. Prints a table; docs/porting.md quotes it.
+for explaining itself, and lines are compared without their indentation (as `diff -w`), so a block
+moved under a `with` counts its `with` line only. Prints a table; docs/porting.md quotes it.
 
     .venv/bin/python benchmarks/porting_lines.py
 """

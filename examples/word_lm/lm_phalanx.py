@@ -88,15 +88,17 @@ def train(lr):
     model.train()
     hidden = model.init_hidden(train_data.size(1))
     for batch, i in enumerate(range(0, train_data.size(0) - 1, args.bptt)):
+        if session.should_stop:  # train.max_steps, which phalanx bench and tune set
+            break
         data, targets = get_batch(train_data, i)
         hidden = repackage_hidden(hidden)
-        model.zero_grad()
-        output, hidden = model(data, hidden)
-        loss = criterion(output, targets)
-        session.backward(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        for p in model.parameters():
-            p.data.add_(p.grad, alpha=-lr)
+        with session.accumulate(model):  # one optimizer step: its end zeroes the gradients and counts it
+            output, hidden = model(data, hidden)
+            loss = criterion(output, targets)
+            session.backward(loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-lr)
         if batch % 50 == 0:
             session.print(f"batch {batch} lr {lr:g} loss {loss.item():.3f}")
 

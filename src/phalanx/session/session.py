@@ -153,6 +153,12 @@ class Session:
         return self.state.step
 
     @property
+    def should_stop(self) -> bool:
+        """True once ``train.max_steps`` optimizer steps are done (never without a limit): a loop
+        that does not draw from a loader phalanx returned ends itself there."""
+        return self.step_limit.reached()
+
+    @property
     def epoch(self) -> int:
         return self.state.epoch
 
