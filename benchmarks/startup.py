@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120, help="seconds one launch may take")
     parser.add_argument("--json", metavar="FILE", help="also write every launch's marks and the medians here")
     parser.add_argument("--keep", metavar="DIR", help="keep each launch's directory (output, marks, run dir)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="write the figures into DIR/benchmarks.json and DIR/benchmarks.md (e.g. docs)"
+    )
     args = parser.parse_args(argv)
 
     repo_src = Path(__file__).resolve().parents[1] / "src"
@@ -348,7 +351,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import platform
 
-    print(
+    lines: list[str] = []  # what is printed from here on, for --out
+
+    def say(text: str) -> None:
+        print(text)
+        lines.extend(text.split("\n"))
+
+    say(
         f"\nstart-up, {args.rounds} rounds, {time.monotonic() - started:.0f} s in all; {platform.node()}, "
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end"
     )
@@ -356,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     for nproc in nprocs:
         names = [name for name, _ in contenders if runs[(name, nproc)]]
         if not names:
-            print(f"\n{nproc} process(es): no launch succeeded")
+            say(f"\n{nproc} process(es): no launch succeeded")
             continue
         measured = {name: [_phases(m) for m in runs[(name, nproc)]] for name in names}
         others = [name for name in names if name != "torchrun"] if "torchrun" in names else []
@@ -373,15 +382,15 @@ def main(argv: list[str] | None = None) -> int:
             lows = {n: {r: min(m[which][r] for m in measured[n]) for r in rows} for n in names}
             highs = {n: {r: max(m[which][r] for m in measured[n]) for r in rows} for n in names}
             summary[str(nproc)][title] = {"median": medians, "min": lows, "max": highs}
-            print(f"\n{nproc} process(es), {title}: median (min-max) over the launches; rank 0's clock")
+            say(f"\n{nproc} process(es), {title}: median (min-max) over the launches; rank 0's clock")
             header = ["phase"] + [f"{n} ({len(measured[n])})" for n in names] + [f"{o} - torchrun" for o in others]
-            print("| " + " | ".join(header) + " |")
-            print("| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |")
+            say("| " + " | ".join(header) + " |")
+            say("| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |")
             for r in rows:
                 cells = [f"{medians[n][r]:.2f} ({lows[n][r]:.2f}-{highs[n][r]:.2f})" for n in names]
                 cells += [f"{medians[o][r] - medians['torchrun'][r]:+.2f}" for o in others]
                 bold = "**" if r in (*TOTALS, JOB_CPU) else ""
-                print(f"| {bold}{r}{bold} | " + " | ".join(cells) + " |")
+                say(f"| {bold}{r}{bold} | " + " | ".join(cells) + " |")
         versions_here = [n for n in names if n != "torchrun"]
         pairs = [(o, "torchrun") for o in others] + [(v, versions_here[0]) for v in versions_here[1:]]
         wall = summary[str(nproc)]["wall-clock seconds"]["median"]
@@ -390,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             f_mine, f_base = wall[mine]["to the first step"], wall[base]["to the first step"]
             t_mine, t_base = wall[mine]["launch to exit"], wall[base]["launch to exit"]
             c_mine, c_base = cpu[mine][JOB_CPU], cpu[base][JOB_CPU]
-            print(
+            say(
                 f"{mine} against {base}, {nproc} process(es): first step {f_mine - f_base:+.2f} s "
                 f"(x{f_mine / f_base:.2f}), launch to exit {t_mine - t_base:+.2f} s (x{t_mine / t_base:.2f}), "
                 f"job CPU {c_mine - c_base:+.2f} s (x{c_mine / c_base:.2f})"
@@ -399,7 +408,50 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(
             json.dumps({"runs": {f"{c} n{n}": v for (c, n), v in runs.items()}, "summary": summary}, indent=1)
         )
+    if args.out:
+        _write_section(Path(args.out), lines, argv, args.rounds)
     return 0
+
+
+def _write_section(out, lines: list[str], argv: list[str] | None, rounds: int) -> None:
+    """The start-up section of DIR/benchmarks.json, and DIR/benchmarks.md rendered again (it keeps
+    compare.py's sections)."""
+    import datetime
+    import json
+    import shlex
+
+    from peers import report
+
+    section = {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": report.machine(),
+        "command": shlex.join([".venv/bin/python", "benchmarks/startup.py", *(sys.argv[1:] if argv is None else argv)]),
+        "settings": f"{rounds} interleaved rounds; 5 optimizer steps of a tiny MLP per launch, CPU processes on gloo",
+        "lines": "\n".join(lines).strip("\n").split("\n"),  # blank lines kept: markdown tables need them
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    data_file = out / "benchmarks.json"
+    data = json.loads(data_file.read_text(encoding="utf-8")) if data_file.is_file() else {}
+    data["startup"] = section
+    data_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    page = out / "benchmarks.md"
+    if not page.is_file():
+        page.write_text(report.render(data), encoding="utf-8")
+    else:  # replace this section only: notes written by hand into the other sections stay
+        text = page.read_text(encoding="utf-8")
+        block = "\n".join(report.startup_section(section)) + "\n"
+        title = block.splitlines()[0]
+        if title in text:
+            start = text.index(title)
+            end = text.find("\n## ", start + len(title))
+            text = text[:start] + block + (text[end + 1 :] if end >= 0 else "")
+        elif "\n## How it is measured" in text:
+            at = text.index("\n## How it is measured") + 1
+            text = text[:at] + block + "\n" + text[at:]
+        else:
+            text = text.rstrip("\n") + "\n\n" + block
+        page.write_text(text, encoding="utf-8")
+    print(f"wrote {page}, {data_file}")
 
 
 if __name__ == "__main__":

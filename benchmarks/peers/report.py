@@ -84,8 +84,16 @@ def render(data: dict) -> str:
         out += _throughput(data["throughput"])
     if "time_to_target" in data:
         out += _time_to_target(data["time_to_target"])
+    if "startup" in data:
+        out += startup_section(data["startup"])
     out += _method()
     return "\n".join(out) + "\n"
+
+
+def startup_section(s: dict) -> list[str]:
+    """Written by benchmarks/startup.py: where a launch spends its time before the first step."""
+    title = "## Start-up before the first step: phalanx launch against torchrun, phase by phase"
+    return [title, ""] + _header(s) + s["lines"] + [""]
 
 
 def _header(section: dict) -> list[str]:
