@@ -151,6 +151,13 @@ def test_nproc_list():
 # ---------------------------------------------------------------- the reading
 
 
+def test_reading_does_not_advise_changing_a_fixed_layouts_batch():
+    rows = scaling([_figures(1, 0.100, 0.005, 64), _figures(2, 0.200, 0.005, 64)], strong=True)
+    text = reading(rows, cpu=False, fixed_layout=True)
+    assert "Communication-bound" in text and "bucket_cap_mb" in text
+    assert "batch.micro_batch_size" not in text and "batch.global_batch_size" not in text
+
+
 def test_reading_communication_bound():
     text = reading(scaling([_figures(1, 0.100, 0.005, 64), _figures(2, 0.200, 0.005, 128)]), cpu=False)
     assert "Communication-bound" in text and "batch.micro_batch_size" in text and "phalanx doctor" in text

@@ -10,7 +10,10 @@ SUPERLINEAR = 1.1  # beyond noise: the baseline itself is suspect
 NOTABLE_SHARE = 0.10  # a part of the step worth naming
 
 
-def reading(rows: list[Scaling], *, cpu: bool, cores: int | None = None, threads: int | None = None) -> str:
+def reading(
+    rows: list[Scaling], *, cpu: bool, cores: int | None = None, threads: int | None = None, fixed_layout: bool = False
+) -> str:
+    """``fixed_layout``: the script's batch sizes may not change, so they are not among the advice."""
     if len(rows) < 2:
         return (
             "Only the 1-device run was measured, so there is no scaling to read; give --nproc-list 1,2,... to compare."
@@ -48,9 +51,13 @@ def reading(rows: list[Scaling], *, cpu: bool, cores: int | None = None, threads
         parts.append(
             f"Communication-bound: at {n} each {ms(step)} step spends {ms(top.comm_wait)} ({comm_share:.0%}) "
             "beyond the 1-device compute and the data wait. "
-            "Larger micro-batches per device (batch.global_batch_size, batch.micro_batch_size) put more compute "
-            "behind each gradient all-reduce; "
-            "strategy.ddp.bucket_cap_mb sets how gradients are grouped into all-reduces; "
+            + (
+                ""
+                if fixed_layout
+                else "Larger micro-batches per device (batch.global_batch_size, batch.micro_batch_size) put more "
+                "compute behind each gradient all-reduce; "
+            )
+            + "strategy.ddp.bucket_cap_mb sets how gradients are grouped into all-reduces; "
             "`phalanx doctor` measures the all-reduce bandwidth between the devices."
         )
     else:

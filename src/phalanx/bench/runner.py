@@ -106,7 +106,7 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
         say(f"phalanx: {name}: {figures[-1].samples_per_s:,.0f} samples/s, {seconds:.0f}s, run dir {run_dir}")
 
     rows = scaling(figures, strong=fixed)
-    text = reading(rows, cpu=device == "cpu", cores=cpu_count(), threads=threads)
+    text = reading(rows, cpu=device == "cpu", cores=cpu_count(), threads=threads, fixed_layout=fixed)
     settings = {
         "script": script,
         "script_args": list(script_args),
