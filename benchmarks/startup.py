@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             lows = {n: {r: min(m[which][r] for m in measured[n]) for r in rows} for n in names}
             highs = {n: {r: max(m[which][r] for m in measured[n]) for r in rows} for n in names}
             summary[str(nproc)][title] = {"median": medians, "min": lows, "max": highs}
-            say(f"\n{nproc} process(es), {title}: median (min-max) over the launches; rank 0's clock")
+            say(f"\n{nproc} process(es), {title}: median (min-max) over the launches; rank 0's clock\n")
             header = ["phase"] + [f"{n} ({len(measured[n])})" for n in names] + [f"{o} - torchrun" for o in others]
             say("| " + " | ".join(header) + " |")
             say("| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |")
