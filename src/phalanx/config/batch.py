@@ -48,7 +48,12 @@ def plan_batch(
                     "(the largest that fits one device); lower it, or set batch.max_micro_batch_size=null"
                 )
         elif global_batch_size is None:  # as with micro_batch_size alone: one micro batch per process
-            micro_batch_size = max_micro_batch_size // multiple_of * multiple_of or multiple_of
+            if max_micro_batch_size < multiple_of:
+                raise ConfigError(
+                    f"max_micro_batch_size {max_micro_batch_size} is below {multiple_of}, the smallest micro batch "
+                    f"this strategy can split (a multiple of its {multiple_of} pipeline micro-batches); raise it"
+                )
+            micro_batch_size = max_micro_batch_size // multiple_of * multiple_of
         else:
             micro_batch_size = _micro_within(global_batch_size, n, max_micro_batch_size, multiple_of)
     if global_batch_size is None and micro_batch_size is None:

@@ -16,7 +16,6 @@ from typing import Iterator, Sequence
 import torch
 
 from phalanx.checkpoint.lock import DirectoryLock
-from phalanx.config.batch import plan_batch
 from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
 from phalanx.config.sources import check_overrides
@@ -126,10 +125,9 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     check_combination(config, world, devices.kind)
     if config.train.profile is not None:
         ProfileWindow.parse(config.train.profile)
-    if config.batch.global_batch_size is not None:
-        plan_batch(
-            strategy_cls.data_parallel_size_for(world), config.batch.global_batch_size, config.batch.micro_batch_size
-        )
+    batch = config.batch
+    if batch.global_batch_size is not None or batch.micro_batch_size or batch.max_micro_batch_size:
+        strategy_cls.plan_batch(config, world, batch.global_batch_size)  # as the Session will plan it
     # Last, as nothing after it can fail. Absolute, so a script that changes directory still writes
     # into its run directory.
     run_root = check_output_dirs(launch.run_dir, config.checkpoint.dir)

@@ -31,7 +31,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
-from phalanx.config.batch import BatchPlan, plan_batch
+from phalanx.config.batch import BatchPlan
 from phalanx.config.loader import load_config, override_config
 from phalanx.config.preset import fit_to_device
 from phalanx.config.schema import BatchConfig, Config
@@ -290,10 +290,7 @@ class Session:
 
     def _plan_sizes(self, global_batch_size: int | None, batch: BatchConfig | None = None) -> BatchPlan:
         """``batch``: other sizes than the config's (the layout lock plans the script's own)."""
-        cfg, dp = self.config, self.strategy.data_parallel_size
-        b = batch or cfg.batch
-        multiple = type(self.strategy).micro_batch_multiple(cfg, self.world_size)
-        return plan_batch(dp, global_batch_size, b.micro_batch_size, b.max_micro_batch_size, multiple_of=multiple)
+        return type(self.strategy).plan_batch(self.config, self.world_size, global_batch_size, batch)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         model, compiled = self.compute.take_compiled_apart(model)

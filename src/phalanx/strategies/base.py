@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.schema import Config
-from phalanx.config.sections import StrategyConfig
+from phalanx.config.sections import BatchConfig, StrategyConfig
 from phalanx.errors import ConfigError
 from phalanx.topology import Topology
 
@@ -86,6 +87,22 @@ class Strategy:
         """The micro-batch size on ``world_size`` processes must be a multiple of this (pipeline:
         its pipeline micro-batches)."""
         return 1
+
+    @classmethod
+    def plan_batch(
+        cls, config: Config, world_size: int, global_batch_size: int | None, batch: BatchConfig | None = None
+    ) -> BatchPlan:
+        """The batch plan on ``world_size`` processes from ``batch``'s sizes (default: the config's)
+        and ``global_batch_size``: what the Session trains with, and what the launcher checks before
+        any worker starts."""
+        b = batch or config.batch
+        return plan_batch(
+            cls.data_parallel_size_for(world_size),
+            global_batch_size,
+            b.micro_batch_size,
+            b.max_micro_batch_size,
+            multiple_of=cls.micro_batch_multiple(config, world_size),
+        )
 
     @classmethod
     def check_settings(cls, config: Config, world_size: int | None, device: str | None) -> None:
