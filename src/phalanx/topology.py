@@ -30,6 +30,8 @@ class LaunchContext:
     force_cpu: bool = False
     # gloo for CUDA tensors too, so several processes can share one GPU (NCCL refuses two ranks on a device).
     gloo_on_cuda: bool = False
+    # This launch's own token (unique per launch): whose checkpoint-directory lock is the job's own.
+    job: str | None = None
 
     def to_env(self) -> dict[str, str]:
         payload = {
@@ -39,6 +41,7 @@ class LaunchContext:
             "show_ranks": self.show_ranks,
             "force_cpu": self.force_cpu,
             "gloo_on_cuda": self.gloo_on_cuda,
+            "job": self.job,
         }
         return {ENV_CONTEXT: json.dumps(payload)}
 
@@ -56,6 +59,7 @@ class LaunchContext:
             show_ranks=data.get("show_ranks", "0"),
             force_cpu=bool(data.get("force_cpu", False)),
             gloo_on_cuda=bool(data.get("gloo_on_cuda", False)),
+            job=data.get("job"),
         )
 
     @property

@@ -78,3 +78,26 @@ def test_an_unreadable_owner_record_is_empty_or_as_written(tmp_path, content):
     (tmp_path / LOCK_FILE).write_bytes(content)
     owner = read_owner(tmp_path / LOCK_FILE)
     assert isinstance(owner, dict)
+
+
+@pytest.mark.timeout(60)
+def test_two_launches_with_the_same_run_directory_name_never_share_a_lock(tmp_path, monkeypatch):
+    # Two launches of one script in the same second picked the same run directory name; the lock's
+    # job token is the launch's own, so the second is refused and then makes its own directory.
+    from phalanx.launch.launcher import LaunchRequest, _make_run_dir, checkpoint_lock, prepare
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("print('ran')\n")
+    request = LaunchRequest("x.py", overrides=["checkpoint.save_every=10"], cpu=True, nproc=1)
+    first, second = prepare(request), prepare(request)
+    assert first.run_dir == second.run_dir and first.context.job != second.context.job
+    holder = _holder((tmp_path / "checkpoints").resolve(), job=first.context.job)  # the first launcher
+    try:
+        with pytest.raises(PhalanxError, match="in use by another job"):
+            checkpoint_lock(second).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    first = _make_run_dir(first)
+    taken = _make_run_dir(second)
+    assert taken.run_dir != first.run_dir and taken.context.run_dir == str(taken.run_dir)

@@ -4,8 +4,8 @@ Two jobs writing into one directory delete each other's staging directories and 
 ``latest``. A job therefore holds an exclusive ``flock`` on ``<dir>/.lock`` for its lifetime: the
 kernel releases it when the holder dies, however it dies, so a lock is never left stale. The file
 also records who holds it, for the refusal message. ``phalanx launch`` takes it before any worker
-starts and keeps it across restarts; its workers recognise their own job by its ``job`` key (the
-run directory) and do not take it again. A Session started some other way takes it on rank 0.
+starts and keeps it across restarts; its workers recognise their own job by its ``job`` key (a
+token unique to each launch) and do not take it again. A Session started some other way takes it on rank 0.
 """
 
 from __future__ import annotations

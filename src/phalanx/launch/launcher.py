@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -138,6 +139,8 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
         run_dir=str(run_dir),
         show_ranks=launch.ranks,
         force_cpu=devices.kind == "cpu",
+        # Several nodes share their rendezvous id, and only rank 0 takes the lock there: no token.
+        job=None if rendezvous.multi_node else uuid.uuid4().hex,
     )
     return LaunchPlan(request, config, devices, strategy_cls.name, run_dir, context, rendezvous)
 
@@ -155,7 +158,7 @@ def launch(request: LaunchRequest) -> int:
     """Run the job; returns the exit code for the CLI."""
     plan = prepare(request)
     with checkpoint_lock(plan):  # before the run directory: a refused job leaves nothing behind
-        plan.run_dir.mkdir(parents=True, exist_ok=False)
+        plan = _make_run_dir(plan)
         write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
         print(plan.describe(), flush=True)
         code = run_workers(plan)
@@ -175,7 +178,19 @@ def checkpoint_lock(plan: LaunchPlan) -> contextlib.AbstractContextManager:
     uses = config.checkpoint.save_every is not None or config.launch.max_restarts > 0 or directory.is_dir()
     if plan.rendezvous.multi_node or not uses:
         return contextlib.nullcontext()
-    return DirectoryLock(directory, str(plan.run_dir), holder=f"phalanx launch {Path(plan.request.script).name}")
+    return DirectoryLock(directory, plan.context.job, holder=f"phalanx launch {Path(plan.request.script).name}")
+
+
+def _make_run_dir(plan: LaunchPlan) -> LaunchPlan:
+    """Create the run directory; another launch of the same script may have taken its name in the
+    same second, and then the next free name is this job's."""
+    while True:
+        try:
+            plan.run_dir.mkdir(parents=True, exist_ok=False)
+            return plan
+        except FileExistsError:
+            run_dir = new_run_dir(plan.run_dir.parent, plan.request.name or Path(plan.request.script).stem)
+            plan = replace(plan, run_dir=run_dir, context=replace(plan.context, run_dir=str(run_dir)))
 
 
 def run_workers(plan: LaunchPlan) -> int:

@@ -40,6 +40,7 @@ class Recovery:
         objects: Callable[[], TrainingObjects],
         say: Callable[[str], None],
         on_loaded: Callable[[], None] = lambda: None,
+        job: str | None = None,
     ):
         self.config, self.topology, self.run_dir = config, topology, run_dir
         self.checkpointer, self.state, self.objects, self.say, self.on_loaded = (
@@ -64,8 +65,8 @@ class Recovery:
             else None
         )
         self.term = TermWatch(self.run_dir, faults.preempt_grace, topology.rank) if launched else None
-        # Under phalanx launch the launcher holds it already; its job key (the run directory) says so.
-        self.lock = DirectoryLock(self.root, run_dir)
+        # Under phalanx launch the launcher may hold it already; the launch's job token says so.
+        self.lock = DirectoryLock(self.root, job)
         self._claimed = False
         every = config.checkpoint.save_every
         self.agreement = StepAgreement(

@@ -126,6 +126,7 @@ class Session:
             self._checkpointed,
             self.print,
             self.guards.mark_schedulers,
+            job=self.context.job if self.context else None,
         )
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
