@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 ENV_LAUNCHER_PID = "PHALANX_LAUNCHER_PID"
@@ -27,7 +28,6 @@ class Lifeline:
 
     def __init__(self, parent: int, *, who: str = "this worker", poll: float = POLL_SECONDS):
         self.parent, self.who, self.poll = parent, who, poll
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="phalanx-lifeline", daemon=True)
 
     def start(self) -> "Lifeline":
@@ -36,14 +36,12 @@ class Lifeline:
         self._thread.start()
         return self
 
-    def close(self) -> None:
-        self._stop.set()
-
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.poll):
+        while True:
+            time.sleep(self.poll)
             if not self.parent_alive():
                 self._end()
 

@@ -19,3 +19,9 @@ TERMINATED_EXIT = 143  # 128 + SIGTERM: stopped without a checkpoint
 
 def path(run_dir: str | Path | None, name: str) -> Path | None:
     return Path(run_dir) / name if run_dir else None
+
+
+def hang_dump(run_dir: str | Path | None, attempt: int, rank: int) -> Path | None:
+    """Where ``rank`` writes its stack when restart attempt ``attempt`` hangs: one directory per
+    attempt, so a restarted job never reads the last attempt's dumps."""
+    return Path(run_dir) / HANG_DIR / f"attempt{attempt}" / f"rank{rank}.txt" if run_dir else None

@@ -17,11 +17,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Callable, Iterator
 
-from phalanx.faults.markers import HANG_DIR, HANG_EXIT
+from phalanx.faults.markers import HANG_EXIT, hang_dump
 
 # While a checkpoint is written or read, the disk sets the pace: a hang there is only called one
 # after this long (or hang_timeout, if longer).
@@ -58,8 +57,8 @@ class Watchdog:
         self.timeout = timeout
         self.first_step_timeout = first_step_timeout
         self.rank = rank
-        # One directory per restart attempt: a restarted job must not see the last attempt's dumps.
-        self.dump_dir = Path(run_dir) / HANG_DIR / f"attempt{attempt}" if run_dir else None
+        self.dump = hang_dump(run_dir, attempt, rank)
+        self.dump_dir = self.dump.parent if self.dump is not None else None
         self._exit = exit
         self._clock = clock
         self._last: float | None = None  # armed by the first beat: setup may take long
@@ -157,7 +156,7 @@ class Watchdog:
         if self.dump_dir is None or not self.dump_dir.is_dir():
             return None
         for entry in self.dump_dir.iterdir():
-            if entry.name != f"rank{self.rank}.txt":
+            if entry.name != self.dump.name:
                 return entry.stem.replace("rank", "rank ")
         return None
 
@@ -174,7 +173,7 @@ class Watchdog:
         if self.dump_dir is not None:
             try:
                 self.dump_dir.mkdir(parents=True, exist_ok=True)
-                (self.dump_dir / f"rank{self.rank}.txt").write_text(text, encoding="utf-8")
+                self.dump.write_text(text, encoding="utf-8")
             except OSError:
                 pass
 

@@ -81,8 +81,8 @@ def main(argv: list[str]) -> int:
 
 
 def _hang_dumped(context, rank: int, attempt: int) -> bool:
-    hang = markers.path(context.run_dir, markers.HANG_DIR)
-    return hang is not None and (hang / f"attempt{attempt}" / f"rank{rank}.txt").is_file()
+    dump = markers.hang_dump(context.run_dir, attempt, rank)
+    return dump is not None and dump.is_file()
 
 
 def _record(err: BaseException) -> None:
