@@ -3,8 +3,6 @@ one model as a plain state dict (no ``module.`` prefix, whichever strategy saved
 
 from __future__ import annotations
 
-import contextlib
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,6 +10,7 @@ from typing import Any
 import torch
 
 from phalanx.checkpoint import files
+from phalanx.checkpoint.weights import atomic_output, write_safetensors
 from phalanx.errors import PhalanxError
 
 
@@ -61,24 +60,51 @@ def model_state_dict(manifest: dict[str, Any], model: int = 0) -> dict[str, torc
     return {k: template[k] for k in order if k in template} | {k: v for k, v in template.items() if k not in order}
 
 
-def export(path: str | Path, out: str | Path, model: int = 0) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Write model ``model``'s consolidated state dict to ``out`` (atomically); returns both."""
+FORMATS = ("pt", "safetensors")
+
+
+def output_format(out: str | Path, format: str | None = None) -> str:
+    """``format``, or by default ``safetensors`` for an ``out`` ending in ``.safetensors`` and ``pt`` otherwise."""
+    if format is None:
+        return "safetensors" if str(out).lower().endswith(".safetensors") else "pt"
+    if format not in FORMATS:
+        raise PhalanxError(f"export format {format!r} is not one of {', '.join(FORMATS)}; choose one of them")
+    return format
+
+
+def export(
+    path: str | Path, out: str | Path, model: int = 0, format: str | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Write model ``model``'s consolidated state dict to ``out`` (atomically) as a torch file or, with
+    ``format="safetensors"`` (the default for an ``out`` ending in ``.safetensors``), a safetensors
+    file; returns the manifest and the state dict."""
     out = Path(out)
+    format = output_format(out, format)
     try:
-        _check_output(out)  # before the checkpoint is read and hashed, which can take long
+        _check_output(out, format)  # before the checkpoint is read and hashed, which can take long
     except OSError as err:  # a name too long, a directory that may not be searched
         raise PhalanxError(f"cannot write '{out}' ({err.strerror or err}); choose another output path") from None
     manifest = open_checkpoint(path)
     state = model_state_dict(manifest, model)
-    _write(state, out)
+    if format == "safetensors":
+        # Hugging Face's loaders read "format" to know the tensors came from torch; the rest says where from.
+        metadata = {
+            "format": "pt",
+            "phalanx_step": str(manifest["step"]),
+            "phalanx_model": str(model),
+            "phalanx_strategy": str(manifest["strategy"]),
+        }
+        write_safetensors(state, out, metadata)
+    else:
+        _write(state, out)
     return manifest, state
 
 
-def _check_output(out: Path) -> None:
+def _check_output(out: Path, format: str = "pt") -> None:
     if "\x00" in str(out):
         raise PhalanxError(f"the output path {str(out)!r} holds a NUL character; give a file path")
     if out.is_dir():
-        raise PhalanxError(f"'{out}' is a directory; give the file to write, e.g. {out / 'model.pt'}")
+        raise PhalanxError(f"'{out}' is a directory; give the file to write, e.g. {out / f'model.{format}'}")
     if out.exists() and not out.is_file():
         # os.replace would put the export in place of a device, FIFO or socket.
         raise PhalanxError(f"'{out}' exists and is not a regular file; give the path of a file to write")
@@ -89,24 +115,5 @@ def _check_output(out: Path) -> None:
 
 
 def _write(state: dict[str, torch.Tensor], out: Path) -> None:
-    """Into a temporary file beside ``out``, renamed over it: a failed export leaves no partial file.
-    The temporary name is short, so that an ``out`` near the file system's name limit still fits."""
-    tmp = out.parent / f".phalanx-export-{os.getpid()}.tmp"
-    done = False
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-        done = True
-    except (OSError, RuntimeError) as err:
-        lines = str(err).strip().splitlines() or [type(err).__name__]
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
-        raise PhalanxError(
-            f"cannot write '{out}' ({reason}); choose an output path in a writable directory with enough free space"
-        ) from None
-    finally:
-        if not done:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+    with atomic_output(out) as tmp, open(tmp, "wb") as fh:
+        torch.save(state, fh)

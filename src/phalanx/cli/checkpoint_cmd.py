@@ -7,7 +7,7 @@ import json
 
 from rich.table import Table
 
-from phalanx.checkpoint.export import export, open_checkpoint
+from phalanx.checkpoint.export import FORMATS, export, open_checkpoint, output_format
 from phalanx.checkpoint.files import describe_layout
 from phalanx.cli.console import console
 from phalanx.util.units import format_bytes
@@ -34,13 +34,20 @@ def register(commands) -> None:
         help="write one model's weights as a plain state dict",
         description=(
             "Write a consolidated state dict (no 'module.' prefix, whichever strategy saved it) "
-            "that loads into the bare model with model.load_state_dict(torch.load(OUT))."
+            "that loads into the bare model with model.load_state_dict(torch.load(OUT)), or, as a "
+            ".safetensors file, with model.load_state_dict(safetensors.torch.load_file(OUT))."
         ),
     )
     out.add_argument("path", help="a checkpoint directory, its parent or its 'latest' file")
-    out.add_argument("out", help="the .pt file to write")
+    out.add_argument("out", help="the .pt or .safetensors file to write")
     out.add_argument(
         "--model", type=int, default=0, metavar="N", help="which model, when the run set up several (default 0)"
+    )
+    out.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="the file format (default: safetensors when OUT ends in .safetensors, else pt)",
     )
     out.set_defaults(run=_export)
 
@@ -88,11 +95,12 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    manifest, state = export(args.path, args.out, args.model)
+    manifest, state = export(args.path, args.out, args.model, args.format)
     count = sum(v.numel() for v in state.values())
+    loader = "safetensors.torch.load_file" if output_format(args.out, args.format) == "safetensors" else "torch.load"
     print(
         f"phalanx: wrote {args.out}: {len(state)} tensors, {count:,} values of model {args.model} "
         f"at step {manifest['step']} "
-        f"(saved by {manifest['strategy']}); load it with model.load_state_dict(torch.load('{args.out}'))"
+        f"(saved by {manifest['strategy']}); load it with model.load_state_dict({loader}('{args.out}'))"
     )
     return 0
