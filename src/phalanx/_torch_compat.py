@@ -280,3 +280,22 @@ def make_subclass(cls: type, data: torch.Tensor) -> torch.Tensor:
     if make is None:
         return data.detach().as_subclass(cls)
     return make(cls, data)
+
+
+# -- deferred construction (session.init_module) ----------------------------------------------
+# torch modules that initialise their own parameters in a private method instead of a public
+# reset_parameters(). Checked on torch 2.13; a name that is gone leaves the module without an
+# initialiser, which strategies/construction.py reports in one line.
+_PRIVATE_INITIALISERS = {nn.MultiheadAttention: "_reset_parameters"}
+
+
+def module_initializer(module: nn.Module) -> Callable[[], None] | None:
+    """The method that (re)initialises ``module``'s own parameters and buffers: its public
+    ``reset_parameters()``, or the private one of the torch classes above; None when it has none."""
+    public = getattr(module, "reset_parameters", None)
+    if callable(public):
+        return public
+    for cls, name in _PRIVATE_INITIALISERS.items():
+        if isinstance(module, cls) and callable(getattr(module, name, None)):
+            return getattr(module, name)
+    return None

@@ -149,7 +149,9 @@ def test_memory_cap_on_cpu_raises_torch_out_of_memory_past_the_cap():
     small = torch.ones(8 * MIB // 4)  # ones, not zeros: pages must be written to be resident
     cap.check()
     del small
-    big = torch.ones(128 * MIB // 4)
+    # 2 MiB over what is asserted: with the cap, freed blocks go back to the kernel at once
+    # (track_live_memory), so memory other code frees meanwhile lowers the resident size a little.
+    big = torch.ones(130 * MIB // 4)
     del big  # freed again: the peak is what counts
     with pytest.raises(torch.OutOfMemoryError, match="train.memory_cap 64.0 MiB"):
         cap.check()

@@ -55,7 +55,9 @@ from phalanx.session.limit import StepLimit
 from phalanx.session.manual import GradientKeeping
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
+from phalanx.session.weights import Weights
 from phalanx.strategies import create_strategy
+from phalanx.strategies.construction import empty_parameters, materialized_bytes
 from phalanx.strategies.surface import expose
 from phalanx.topology import LaunchContext, Topology
 
@@ -104,6 +106,7 @@ class Session:
         self._last_loss: torch.Tensor | None = None
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
+        self.weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
         self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
@@ -172,6 +175,22 @@ class Session:
         return self.lr_scaling.multiplier(self.step_count) if self.lr_scaling else 1.0
 
     # -- setup ------------------------------------------------------------------------------
+    def init_module(self) -> contextlib.AbstractContextManager:
+        """Build the model inside this block without memory for its parameters (``with
+        session.init_module(): model = build()``): they go on the meta device, and ``setup()``
+        materialises only what this rank holds, initialised by each module's ``reset_parameters()``
+        (docs/session.md, "Models larger than one device"). Buffers are kept as built."""
+        return empty_parameters()
+
+    def load_weights(self, source: Any, model: nn.Module | None = None, *, strict: bool = True) -> None:
+        """Put pretrained weights into a model ``setup()`` returned: ``source`` is a state dict, a
+        ``.safetensors`` or a ``.pt`` file. Rank 0 reads it one tensor at a time and broadcasts each;
+        every rank keeps its share (its shards, its stage). ``strict=False`` skips missing and
+        unexpected keys, as ``load_state_dict`` does; shapes must match either way."""
+        self.weights.load(model, source, strict=strict)
+        if self.memory_cap is not None:
+            self.memory_cap.check()
+
     def setup(self, *objects: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
 
@@ -185,6 +204,9 @@ class Session:
             range(len(objects)), key=lambda i: next((p for t, p in priority.items() if isinstance(objects[i], t)), 2)
         )
         out: list[Any] = [None] * len(objects)
+        capped = self.memory_cap is not None and self.step_count == 0
+        if capped:
+            self.memory_cap.begin_setup()
         for i in order:
             out[i] = self._setup_one(objects[i])
         if self.lr_scaling is None:
@@ -197,7 +219,8 @@ class Session:
             self._seeded = True
         self._set_up = True
         self._announce()
-        if self.memory_cap is not None and self.step_count == 0:
+        if capped:
+            self.memory_cap.check_setup()
             self.memory_cap.start()  # what training adds counts, not what the script loaded before
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -295,6 +318,8 @@ class Session:
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         model, compiled = self.compute.take_compiled_apart(model)
+        if self.memory_cap is not None and self.device.type == "cpu":
+            self.memory_cap.add_arrived(materialized_bytes(model))  # what a GPU run would copy onto its device
         model = self.strategy.place(model)
         self.compute.before_wrap(model)
         apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
@@ -304,6 +329,7 @@ class Session:
         wrapped = self.compute.after_wrap(wrapped, compile_anyway=compiled)
         # The user's methods, attributes and state-dict keys on what they get back (same object).
         wrapped = expose(wrapped, model, self.strategy.direct_calls)
+        self.weights.watch(wrapped, model)
         self._models.append(wrapped)
         self.metrics.watch_model(wrapped, self.strategy.unwrap(wrapped))
         return wrapped

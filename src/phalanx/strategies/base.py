@@ -19,6 +19,7 @@ from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.schema import Config
 from phalanx.config.sections import BatchConfig, StrategyConfig
 from phalanx.errors import ConfigError
+from phalanx.strategies.construction import Materializer, is_deferred
 from phalanx.topology import Topology
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # precision.mode values, in the order messages list them
@@ -113,6 +114,7 @@ class Strategy:
         self.config = config
         self.topology = topology
         self._owns_process_group = False
+        self._materializers: list[Materializer] = []  # one per deferred model (see construction.py)
 
     # -- launcher side --------------------------------------------------------------------
     @classmethod
@@ -161,8 +163,25 @@ class Strategy:
         self._owns_process_group = True
 
     def place(self, model: nn.Module) -> nn.Module:
-        """Put the model on this process's device (before wrapping)."""
+        """Put the model on this process's device (before wrapping); a deferred one is materialised
+        there directly, whole (strategies that hold a part of it override this)."""
+        if is_deferred(model):
+            self.materializer(model).materialize(model, self.topology.device)
+            return model
         return model.to(self.topology.device)
+
+    def materializer(self, model: nn.Module, *, in_place: bool = True) -> Materializer:
+        """The materializer of ``model`` (the user's whole model): made once, kept for uninitialised()."""
+        for existing in self._materializers:
+            if existing.root is model:
+                return existing
+        self._materializers.append(Materializer(model, self.config.train.seed, in_place=in_place))
+        return self._materializers[-1]
+
+    def uninitialised(self) -> dict[str, list[str]]:
+        """Modules of deferred models left without initial weights (no reset_parameters()): module
+        name -> its tensors' names. session.load_weights() fills them."""
+        return {name: names for m in self._materializers for name, names in m.uninitialised.items()}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -201,6 +220,17 @@ class Strategy:
     def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load what torch.distributed.checkpoint filled into ``sharded_model_state_dict``'s layout."""
         self.load_model_state_dict(model, state)
+
+    def weight_slots(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every tensor of the whole model's state dict under its name, as this rank holds it: the
+        tensor itself (a shard for sharding strategies, with the full shape), or an empty meta tensor
+        of its shape where another rank holds it. session.load_weights() fills them."""
+        return self.unwrap(model).state_dict(keep_vars=True)
+
+    def put_weight(self, slot: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy the full tensor ``value`` into ``slot`` (this rank's share of it), casting its dtype."""
+        with torch.no_grad():
+            slot.copy_(value)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """For checkpoints. Plain layout: the full state (rank 0's is written); dcp layout: this

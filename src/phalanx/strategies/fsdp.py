@@ -9,8 +9,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from phalanx.config.sections import FSDPConfig
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Sharding, Strategy
+from phalanx.strategies.construction import is_deferred
 from phalanx.util.modules import post_order, submodules_of
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
@@ -52,6 +54,10 @@ class FSDP(Strategy):
                 "or launch on GPUs"
             )
 
+    def place(self, model: nn.Module) -> nn.Module:
+        # A deferred model stays on meta: wrap_model materialises each unit just before sharding it.
+        return model if is_deferred(model) else super().place(model)
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         # Imported here: torch.distributed.fsdp costs a second at `import phalanx` otherwise.
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -65,8 +71,15 @@ class FSDP(Strategy):
             )
         if opts.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        # A deferred model is materialised one unit at a time, each sharded at once: the set-up peak
+        # is this rank's shards plus one whole unit, never the whole model.
+        build = self.materializer(model, in_place=False) if is_deferred(model) else None
         for unit in self._shard_units(model):
+            if build is not None:
+                build.materialize(unit, self.topology.device)
             fully_shard(unit, **kwargs)
+        if build is not None:
+            build.materialize(model, self.topology.device)  # what no unit claimed: embeddings, head, norms
         fully_shard(model, **kwargs)
         # model.load_state_dict() takes the user's plain weights, as under every other strategy.
         model.register_load_state_dict_pre_hook(_shard_full_tensors)
@@ -77,20 +90,7 @@ class FSDP(Strategy):
         return model
 
     def _shard_units(self, model: nn.Module) -> list[nn.Module]:
-        opts = self.config.strategy.fsdp
-        if opts.wrap:
-            # Innermost first, as fully_shard expects when listed classes nest.
-            return submodules_of(model, opts.wrap, "strategy.fsdp.wrap")
-        # Automatic: deepest first, a submodule whose not-yet-claimed parameters reach min_params.
-        units, claimed = [], set()
-        for module in post_order(model):
-            if module is model:
-                continue
-            own = [p for p in module.parameters() if id(p) not in claimed]
-            if sum(p.numel() for p in own) >= opts.min_params:
-                units.append(module)
-                claimed.update(id(p) for p in own)
-        return units
+        return shard_units(model, self.config.strategy.fsdp)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not self._new_params:
@@ -134,6 +134,17 @@ class FSDP(Strategy):
 
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
+    def put_weight(self, slot: torch.Tensor, value: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if not isinstance(slot, DTensor):
+            return super().put_weight(slot, value)
+        # Every rank has the full tensor: its shard is cut locally, with the sharding's own rule.
+        value = value.to(device=slot.device, dtype=slot.dtype)
+        share = distribute_tensor(value, slot.device_mesh, slot.placements, src_data_rank=None).to_local()
+        with torch.no_grad():
+            slot.to_local().copy_(share)
+
     def optimizer_state_dict(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -147,6 +158,25 @@ class FSDP(Strategy):
     def describe(self) -> str:
         mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"
         return f"fsdp over {plural(self.topology.world_size, 'process')} ({mode})"
+
+
+def shard_units(model: nn.Module, opts: FSDPConfig, setting: str = "strategy.fsdp.wrap") -> list[nn.Module]:
+    """The submodules ``fully_shard`` makes shard units of under ``opts`` (a ``strategy.fsdp``
+    section), innermost first; the model itself, wrapped last, is not among them. Public so that
+    ``phalanx plan`` counts the units training will have; ``setting`` names ``opts.wrap`` in errors."""
+    if opts.wrap:
+        # Innermost first, as fully_shard expects when listed classes nest.
+        return submodules_of(model, opts.wrap, setting)
+    # Automatic: deepest first, a submodule whose not-yet-claimed parameters reach min_params.
+    units, claimed = [], set()
+    for module in post_order(model):
+        if module is model:
+            continue
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        if sum(p.numel() for p in own) >= opts.min_params:
+            units.append(module)
+            claimed.update(id(p) for p in own)
+    return units
 
 
 def _shard_full_tensors(module: nn.Module, state: dict, prefix: str, *_: object) -> None:

@@ -41,14 +41,12 @@ class ModelParallel(Strategy):
             raise ConfigError("strategy model_parallel: the model has no child modules to place on devices")
         assignment = assign(units, len(devices))
         refuse_shared_across(units, assignment)
+        build = self.materializer(model)  # moves a built unit, materialises a deferred one
         for (name, unit), index in zip(units, assignment):
-            unit.to(devices[index])
+            build.materialize(unit, devices[index])
             unit.register_forward_pre_hook(_move_inputs(devices[index]), with_kwargs=True)
             self.placement.append((name, devices[index]))
-        for param in model.parameters(recurse=False):
-            param.data = param.data.to(devices[assignment[0]])
-        for buffer_name, buffer in model.named_buffers(recurse=False):
-            setattr(model, buffer_name, buffer.to(devices[assignment[0]]))
+        build.materialize_own(model, devices[assignment[0]])
         # Outputs come back to the first device, where the batch's targets are.
         model.register_forward_hook(lambda module, args, out: to_device(out, self.topology.device))
         return model

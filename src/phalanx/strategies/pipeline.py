@@ -94,6 +94,9 @@ class Pipeline(Strategy):
     def data_parallel_rank(self) -> int:
         return 0
 
+    def place(self, model: nn.Module) -> nn.Module:
+        return model  # wrap_model puts this rank's stage on the device; the others stay where they are
+
     @property
     def is_last(self) -> bool:
         return self.topology.rank == self.topology.world_size - 1
@@ -115,7 +118,9 @@ class Pipeline(Strategy):
         # A weight tied across stages would be updated as two untied copies.
         refuse_shared_across(self._units, self._stage_of)
         mine = [unit for (_, unit), stage in zip(self._units, self._stage_of) if stage == self.topology.rank]
-        self.stage_module = nn.Sequential(*mine).to(self.topology.device)
+        self.stage_module = nn.Sequential(*mine)
+        # Only this stage goes onto the device (a deferred model's other stages never get memory).
+        self.materializer(model).materialize(self.stage_module, self.topology.device)
         stage = PipelineStage(self.stage_module, self.topology.rank, stages, self.topology.device)
         schedule = ScheduleGPipe if opts.schedule == "gpipe" else Schedule1F1B
         # scale_grads would divide every gradient the stage holds, also those accumulated by
@@ -225,6 +230,14 @@ class Pipeline(Strategy):
 
     def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.load_stage_state_dict(state)
+
+    def weight_slots(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        own = {id(unit) for _, unit in self._own_units()}
+        return {
+            f"{name}.{key}": value if id(unit) in own else torch.empty(value.shape, dtype=value.dtype, device="meta")
+            for name, unit in self._units
+            for key, value in unit.state_dict(keep_vars=True).items()
+        }
 
     def load_stage_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False) -> None:
         """Load this stage's entries of ``state`` (keyed by the full model's names; others are ignored)."""

@@ -1,0 +1,214 @@
+"""``session.load_weights``: pretrained weights read once and put where each rank holds them, and
+the check that a deferred model's uninitialised modules get weights before they run.
+
+Rank 0 reads the source one tensor at a time (checkpoint/weights.py: a safetensors file is read,
+not memory-mapped) and broadcasts it; each rank copies its share in (strategy.put_weight: the
+whole tensor, its FSDP shard, or nothing for another pipeline stage's tensor). So the host memory
+of a load is about one tensor on each rank, however large the model, and the device memory one
+full tensor on top of what the rank keeps. Every verdict (a file that cannot be read, keys or
+shapes that do not match) is decided on rank 0 and broadcast first, so all ranks raise the same
+one-line error and none is left waiting in a broadcast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.checkpoint.weights import WeightsFile
+from phalanx.errors import PhalanxError
+from phalanx.strategies import Strategy
+from phalanx.strategies.construction import uninitialised_message
+from phalanx.topology import Topology
+from phalanx.util.words import plural
+
+_SHOWN = 4  # keys named in a mismatch message, per kind
+
+
+class Weights:
+    """One per Session: loads weights into its models and guards their first forward."""
+
+    def __init__(self, strategy: Strategy, topology: Topology, models: list[nn.Module]):
+        self.strategy = strategy
+        self.topology = topology
+        self._models = models  # the Session's list: the models setup() returned
+        self.loaded: set[str] = set()  # names load() filled, over every call
+        self._classes: dict[str, str] = {}  # module name -> class name, for the uninitialised line
+
+    def watch(self, wrapped: nn.Module, model: nn.Module) -> None:
+        """After ``setup()`` of a deferred ``model``: its first forward is refused while modules
+        without ``reset_parameters()`` hold uninitialised weights that no load filled."""
+        if not self.strategy.uninitialised():
+            return
+        self._classes.update({name or "(the model)": type(m).__name__ for name, m in model.named_modules()})
+        handle = None
+
+        def refuse(*_: Any) -> None:
+            pending = self.pending()
+            if pending:
+                raise PhalanxError(uninitialised_message(pending, self._classes))
+            handle.remove()
+
+        handle = wrapped.register_forward_pre_hook(refuse)
+
+    def pending(self) -> dict[str, list[str]]:
+        """Modules whose uninitialised tensors are not all loaded yet."""
+        return {m: names for m, names in self.strategy.uninitialised().items() if not set(names) <= self.loaded}
+
+    def load(self, model: nn.Module | None, source: Any, *, strict: bool = True) -> None:
+        model = self._target(model)
+        slots = self.strategy.weight_slots(model)
+        main, alone = self.topology.rank == 0, self.topology.world_size == 1
+        reader, verdict, index = None, None, None
+        if main:
+            try:
+                reader = _open(source)
+                index = reader.index()
+                verdict = _mismatch(index, slots, strict, _name(source))
+            except PhalanxError as err:
+                verdict = str(err)
+        if not alone:
+            box = [verdict, index]
+            dist.broadcast_object_list(box, src=0)
+            verdict, index = box
+        try:
+            if verdict:
+                raise PhalanxError(verdict)
+            for name, slot in slots.items():
+                if name in index:
+                    self._transfer(name, slot, index[name], reader, alone)
+                    self.loaded.add(name)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _target(self, model: nn.Module | None) -> nn.Module:
+        if model is not None:
+            if not any(model is m for m in self._models):
+                raise PhalanxError(
+                    "session.load_weights() takes a model that session.setup() returned; set the model up first"
+                )
+            return model
+        if len(self._models) != 1:
+            raise PhalanxError(
+                "call session.load_weights(source) after session.setup(model)"
+                if not self._models
+                else "several models are set up: pass the one to load, session.load_weights(source, model)"
+            )
+        return self._models[0]
+
+    def _transfer(self, name: str, slot: torch.Tensor, meta: tuple, reader: Any, alone: bool) -> None:
+        shape, dtype = meta
+        device = self.topology.comm_device
+        problem, value = None, None
+        if self.topology.rank == 0:
+            try:
+                value = reader.read(name)
+            except PhalanxError as err:
+                problem = str(err)
+        if not alone:
+            # A read that fails half-way (a file truncated since its index was read) is announced
+            # before the broadcast, so no rank waits for a tensor that never comes.
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            raise PhalanxError(problem)
+        if alone:
+            buffer = value
+        else:
+            buffer = value.to(device) if self.topology.rank == 0 else torch.empty(shape, dtype=dtype, device=device)
+            if buffer.numel():
+                # As bytes: gloo does not broadcast every dtype (bool, the float8 kinds).
+                dist.broadcast(buffer.reshape(-1).view(torch.uint8), src=0)
+        if not slot.is_meta:
+            self.strategy.put_weight(slot, buffer)
+
+
+def _open(source: Any) -> Any:
+    if isinstance(source, Mapping):
+        return _StateDict(source)
+    if isinstance(source, (str, Path)):
+        return WeightsFile(source)
+    raise PhalanxError(
+        f"session.load_weights() takes a state dict or the path of a .safetensors or .pt file, "
+        f"not {type(source).__name__}"
+    )
+
+
+def _name(source: Any) -> str:
+    return f"'{source}'" if isinstance(source, (str, Path)) else "the state dict"
+
+
+class _StateDict:
+    """A state dict given in memory, read as a file is (rank 0's is the one used)."""
+
+    def __init__(self, state: Mapping):
+        bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise PhalanxError(
+                f"the state dict given to session.load_weights() maps {bad[0]!r} to "
+                f"{type(state[bad[0]]).__name__}; give a mapping of parameter names to tensors"
+            )
+        self._state = state
+
+    def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self._state.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._state[name].detach().cpu()
+
+    def close(self) -> None:
+        pass
+
+
+def _mismatch(index: dict, slots: dict[str, torch.Tensor], strict: bool, source: str) -> str | None:
+    """What keeps ``index`` (name -> (shape, dtype)) from loading into ``slots``; None when it loads."""
+    problems = []
+    if strict:
+        missing = [k for k in slots if k not in index]
+        unexpected = [k for k in index if k not in slots]
+        if missing:
+            problems.append(f"{plural(len(missing), 'key')} of the model missing ({_some(missing)})")
+        if unexpected:
+            problems.append(f"{plural(len(unexpected), 'key')} the model does not have ({_some(unexpected)})")
+    shapes = [k for k in slots if k in index and tuple(index[k][0]) != tuple(slots[k].shape)]
+    if shapes:
+        shown = "; ".join(
+            f"{k} is {_shape(index[k][0])} in the file, {_shape(slots[k].shape)} in the model" for k in shapes[:_SHOWN]
+        )
+        more = f" and {len(shapes) - _SHOWN} more" if len(shapes) > _SHOWN else ""
+        problems.append(f"shapes differ: {shown}{more}")
+    kinds = [k for k in slots if k in index and _kind(index[k][1]) != _kind(slots[k].dtype)]
+    if kinds:
+        k = kinds[0]
+        problems.append(
+            f"{plural(len(kinds), 'tensor')} of another kind ({k} is {index[k][1]} in the file, {slots[k].dtype} "
+            "in the model)"
+        )
+    if not problems:
+        return None
+    fix = "load weights saved from this model" + (
+        ", or pass strict=False to skip missing and unexpected keys" if strict and not (shapes or kinds) else ""
+    )
+    return f"{source} does not match the model: {'; '.join(problems)}; {fix}"
+
+
+def _some(keys: list[str]) -> str:
+    return ", ".join(keys[:_SHOWN]) + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _shape(shape: Any) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def _kind(dtype: torch.dtype) -> str:
+    # Floats load into floats of any width (weights are often shipped in bf16); integers and flags
+    # into their own kind.
+    if dtype.is_floating_point or dtype.is_complex:
+        return "float"
+    return "bool" if dtype == torch.bool else "int"

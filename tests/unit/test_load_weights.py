@@ -1,0 +1,110 @@
+"""``session.load_weights`` in one process: state dicts, .safetensors and .pt files load exactly;
+what does not match the model is one line naming the keys; bad calls are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from phalanx import Config, Session
+from phalanx.errors import PhalanxError
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3))
+
+
+def _session(strategy: str = "single") -> Session:
+    return Session(Config(), strategy=strategy, train={"progress": False, "metrics": False, "seed": 0})
+
+
+def _pretrained() -> dict[str, torch.Tensor]:
+    torch.manual_seed(11)
+    return _model().state_dict()
+
+
+@pytest.mark.parametrize("kind", ["dict", "safetensors", "pt"])
+@pytest.mark.parametrize("strategy", ["single", "fsdp", "ddp"])
+def test_weights_load_exactly_from_each_source(kind, strategy, tmp_path):
+    weights = _pretrained()
+    source = weights
+    if kind == "safetensors":
+        from safetensors.torch import save_file
+
+        source = tmp_path / "w.safetensors"
+        save_file(weights, source)
+    elif kind == "pt":
+        source = tmp_path / "w.pt"
+        torch.save(weights, source)
+    session = _session(strategy)
+    with session.init_module():
+        model = _model()
+    model = session.setup(model)
+    session.load_weights(str(source) if kind != "dict" else source)
+    state = session.model_state_dict(model)
+    for key, value in weights.items():
+        assert torch.equal(state[key], value), key
+    session.close()
+
+
+def test_a_bf16_file_loads_into_fp32_weights():
+    weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _pretrained().items()}
+    session = _session()
+    model = session.setup(_model())
+    session.load_weights(weights)
+    assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight, weights["0.weight"].float())
+    session.close()
+
+
+def test_mismatches_are_one_line_naming_the_keys():
+    session = _session()
+    model = session.setup(_model())
+    weights = _pretrained()
+    missing = {k: v for k, v in weights.items() if k != "2.bias"}
+    with pytest.raises(PhalanxError, match=r"1 key of the model missing \(2\.bias\).*strict=False"):
+        session.load_weights(missing)
+    with pytest.raises(PhalanxError, match=r"1 key the model does not have \(extra\)"):
+        session.load_weights({**weights, "extra": torch.zeros(1)})
+    with pytest.raises(PhalanxError, match=r"0\.weight is \(5, 7\) in the file, \(5, 6\) in the model"):
+        session.load_weights({**weights, "0.weight": torch.zeros(5, 7)})
+    with pytest.raises(PhalanxError, match=r"another kind \(0\.weight is torch\.int64"):
+        session.load_weights({**weights, "0.weight": torch.zeros(5, 6, dtype=torch.long)})
+    before = model[2].bias.clone()
+    session.load_weights({**missing, "extra": torch.zeros(1)}, strict=False)  # skips both
+    assert torch.equal(model[2].bias, before) and torch.equal(model[0].weight, weights["0.weight"])
+    session.close()
+
+
+def test_bad_calls_are_refused():
+    session = _session()
+    with pytest.raises(PhalanxError, match=r"after session\.setup\(model\)"):
+        session.load_weights(_pretrained())
+    model = session.setup(_model())
+    with pytest.raises(PhalanxError, match="takes a state dict or the path"):
+        session.load_weights(42)
+    with pytest.raises(PhalanxError, match="takes a model that session.setup"):
+        session.load_weights(_pretrained(), nn.Linear(2, 2))
+    with pytest.raises(PhalanxError, match="maps 'x' to int"):
+        session.load_weights({"x": 3})
+    del model
+    session.close()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    keys=st.lists(st.sampled_from(["0.weight", "0.bias", "2.weight", "9.weight", "1.running_mean"]), unique=True),
+    rows=st.integers(1, 7),
+)
+def test_any_partial_or_reshaped_state_dict_loads_or_is_one_line(keys, rows):
+    session = _session()
+    session.setup(_model())
+    weights = _pretrained()
+    given_ = {k: (weights[k] if k in weights and rows == 5 else torch.zeros(rows, 6)) for k in keys}
+    try:
+        session.load_weights(given_, strict=False)
+    except PhalanxError as err:
+        assert "\n" not in str(err) and "does not match the model" in str(err)
+    session.close()
