@@ -9,14 +9,16 @@ from collections import Counter
 
 import torch
 import yaml
+from rich.console import Console
 from rich.table import Table
 from torch import nn
 
 from phalanx.cli.console import console as make_console
+from phalanx.config.sections import FSDPConfig
 from phalanx.errors import PhalanxError
 from phalanx.plan import count_parameters, load_factory, make_plan, measure_activations
-from phalanx.plan.accounting import VARIANTS
-from phalanx.plan.measure import build
+from phalanx.plan.accounting import SETUP_BYTES, VARIANTS
+from phalanx.plan.measure import build, count_shard_units
 from phalanx.plan.report import left_out
 
 EXAMPLES = {  # name: (factory path, per-sample input shape, input dtype)
@@ -83,6 +85,19 @@ def register(commands) -> None:
         help="module class for activation checkpointing (default: the most repeated block)",
     )
     p.add_argument(
+        "--fsdp-wrap",
+        action="append",
+        default=[],
+        metavar="CLASS",
+        help="as strategy.fsdp.wrap: a module class that becomes an FSDP shard unit (repeatable; default automatic)",
+    )
+    p.add_argument(
+        "--fsdp-min-params",
+        type=int,
+        metavar="N",
+        help="as strategy.fsdp.min_params: automatic FSDP units' least parameters (default 100000)",
+    )
+    p.add_argument(
         "--accounting",
         choices=["phalanx", "zero-paper"],
         default="phalanx",
@@ -99,6 +114,7 @@ _NUMBERS = {
     "--micro-batch": ("micro_batch", "at least 1 (and at most 2147483647)", 1, 2**31 - 1),
     "--devices": ("devices", "at least 1 (and at most 1048576)", 1, 2**20),
     "--device-memory": ("device_memory", "a positive number of GiB, at most 1048576", math.ulp(0), 2**20),
+    "--fsdp-min-params": ("fsdp_min_params", "at least 1 (and at most 1e15)", 1, 1e15),
 }
 
 
@@ -117,10 +133,13 @@ def _run(args: argparse.Namespace) -> int:
     activations = checkpointed = trainable = None
     sequential = True  # unknown with --params: the pipeline row stays, with its note
     classes: list[str] = []
-    measured_on = None
+    measured_on = units = None
     if args.params is not None:
         if args.inputs:
             raise PhalanxError("--inputs needs --model or --example: with --params there is no model to run")
+        if args.fsdp_wrap or args.fsdp_min_params is not None:
+            given = "--fsdp-wrap" if args.fsdp_wrap else "--fsdp-min-params"
+            raise PhalanxError(f"{given} needs --model or --example: with --params there is no model to find units in")
         n_params = int(args.params)
     else:
         path, shape, dtype = EXAMPLES[args.example] if args.example else (args.model, None, "float")
@@ -141,6 +160,8 @@ def _run(args: argparse.Namespace) -> int:
         n_params = count_parameters(model)
         trainable = count_parameters(model, trainable_only=True)
         sequential = isinstance(model, nn.Sequential)
+        fsdp = FSDPConfig(wrap=args.fsdp_wrap, min_params=args.fsdp_min_params or FSDPConfig().min_params)
+        units = count_shard_units(model, fsdp, "--fsdp-wrap")
         classes = args.checkpoint or _repeated_block(model)
         input_dtype = _DTYPES[args.input_dtype or dtype]
         given = {"inputs": inputs, "inputs_name": args.inputs or ""}
@@ -161,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
         trainable=trainable,
         precision=args.precision,
         sequential=sequential,
+        units=units,
     )
     if args.json:
         print(
@@ -174,7 +196,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print(plan, args, measured_on, classes, sequential: bool) -> None:
-    console = make_console()
     state = (
         "mixed-precision Adam, 2+2+12 bytes per parameter (ZeRO paper)"
         if args.accounting == "zero-paper"
@@ -182,23 +203,55 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
     )
     title = f"{plan.n_params:,} parameters, {plan.devices} devices, micro-batch {args.micro_batch}, {state}"
     table = Table(title=title)
-    for col in ("strategy", "parameters", "gradients", "optimizer", "activations", "total / device", "fits"):
+    columns = ("strategy", "parameters", "gradients", "optimizer", "activations", "set-up", "training", "fits")
+    for col in columns:
         table.add_column(col, justify="left" if col == "strategy" else "right")
-    unit, scale = ("GiB", _GIB) if max(r.total for r in plan.rows) >= _GIB else ("MiB", 1024**2)
+    largest = max(max(r.total, r.setup) for r in plan.rows)
+    unit, scale = ("GiB", _GIB) if largest >= _GIB else ("MiB", 1024**2)
     fmt = lambda value: f"{value / scale:,.2f} {unit}"  # noqa: E731 - one unit for the whole table
     for row in plan.rows:
         fits = "-" if row.fits is None else ("yes" if row.fits else "no")
         acts = fmt(row.activations) if row.activations is not None else "-"
-        table.add_row(
-            row.label, fmt(row.parameters), fmt(row.gradients), fmt(row.optimizer), acts, fmt(row.total), fits
-        )
+        cells = (row.parameters, row.gradients, row.optimizer)
+        table.add_row(row.label, *map(fmt, cells), acts, fmt(row.setup), fmt(row.total), fits)
+    # Pipes and logs get the whole table (a big model's "+ checkpointing (deferred)" rows pass 120
+    # columns); a terminal keeps its own width.
+    console = make_console(max(120, Console(width=1000).measure(table).maximum))
     console.print(table)
+    console.print("set-up: the peak while session.setup() places the model; a row fits when set-up and training do")
+    if any(r.construction == "deferred" for r in plan.rows):
+        console.print(
+            "(deferred): built under session.init_module(), each rank materialising only its part; other rows: whole"
+        )
+    else:
+        console.print(
+            "construction: whole in every row (the script builds the model in each process: nothing to change)"
+        )
     for cls, why in left_out(args.precision, sequential):
         console.print(f"{cls.name} is left out: {why}")
     for cls in dict.fromkeys(VARIANTS[r.strategy].strategy for r in plan.rows):
         if cls.splits_layers:
             needs = "needs an nn.Sequential model; " if cls.needs_sequential else ""
             console.print(f"{cls.name}: {needs}stages assumed balanced (parameters and activations / devices)")
+    sharded = [r for r in plan.rows if _shards_parameters(r.strategy)]
+    if sharded:
+        name = VARIANTS[sharded[0].strategy].strategy.name
+        if plan.fsdp_units is None:
+            console.print(
+                f"{name} set-up assumes no FSDP unit above 1/{plan.devices} of the parameters; "
+                "give --model to count the real units"
+            )
+        else:
+            units = plan.fsdp_units
+            where = f"{units.largest_name or 'the model itself'} ({units.largest_class})"
+            console.print(
+                f"{name} set-up: largest unit {where}, {units.largest:,} parameters, of {units.count} ({units.rule})"
+            )
+    per_process = SETUP_BYTES * plan.n_params
+    console.print(
+        f"host memory: whole construction, {plan.devices} processes x {fmt(per_process)} of fp32 weights = "
+        f"{fmt(plan.devices * per_process)}; deferred, only buffers"
+    )
     if measured_on:
         console.print(
             f"activations: measured on {'the meta device (nothing allocated)' if measured_on == 'meta' else 'the CPU'} "
@@ -216,11 +269,20 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
             "lower --micro-batch, use more devices, or bf16"
         )
     else:
+        choice = plan.recommendation
         console.print(
-            f"recommended: {plan.recommendation.label} "
+            f"recommended: {choice.setting} with {choice.construction} construction "
             f"(the least communication that fits in 90% of {plan.device_memory / _GIB:.2f} GiB)"
         )
         console.print("phalanx.yaml:\n" + plan.config_lines)
+        if plan.script_lines:
+            console.print("in the script (deferred construction):\n" + plan.script_lines)
+
+
+def _shards_parameters(strategy: str) -> bool:
+    """Whether the row stores parameters sharded, so its set-up depends on the shard units."""
+    variant = VARIANTS[strategy]
+    return not variant.strategy.splits_layers and (variant.shards.parameters or variant.shards.keeps_gathered)
 
 
 def _gpu_memory() -> float | None:

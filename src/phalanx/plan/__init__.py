@@ -1,7 +1,14 @@
 """Per-device memory of each strategy, before launching: ``phalanx plan``."""
 
-from phalanx.plan.accounting import ModelState, model_state
-from phalanx.plan.measure import Activations, count_parameters, load_factory, measure_activations
+from phalanx.plan.accounting import ModelState, SetUp, model_state, setup_peak
+from phalanx.plan.measure import (
+    Activations,
+    ShardUnits,
+    count_parameters,
+    count_shard_units,
+    load_factory,
+    measure_activations,
+)
 from phalanx.plan.report import Plan, Row, make_plan
 
 __all__ = [
@@ -9,9 +16,13 @@ __all__ = [
     "ModelState",
     "Plan",
     "Row",
+    "SetUp",
+    "ShardUnits",
     "count_parameters",
+    "count_shard_units",
     "load_factory",
     "make_plan",
     "measure_activations",
     "model_state",
+    "setup_peak",
 ]

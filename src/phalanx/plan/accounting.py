@@ -84,3 +84,54 @@ def model_state(
         parameters = 4 * n_params / devices + compute_bytes * n_params
     optimizer_bytes = OPTIMIZER_BYTES[optimizer] * trainable / o
     return ModelState(parameters=parameters, gradients=4 * trainable / g, optimizer=optimizer_bytes)
+
+
+# Bytes per parameter while setup() puts the model in place: the fp32 weights as the model builds
+# them, under every precision (autocast and FSDP's policy cast later) and either accounting.
+SETUP_BYTES = 4
+
+
+@dataclass(frozen=True)
+class SetUp:
+    """Peak bytes per device while ``session.setup()`` puts the model in place (and
+    ``session.load_weights()`` loads pretrained weights into it), under each construction:
+    ``whole`` (the script builds the model whole in every process) or ``deferred`` (built under
+    ``session.init_module()``, materialised only where the rank holds it)."""
+
+    whole: float
+    deferred: float
+
+
+def setup_peak(
+    strategy: str,
+    n_params: int,
+    devices: int,
+    *,
+    largest_unit: float | None = None,
+    largest_parameter: float | None = None,
+) -> SetUp:
+    """Set-up peak per device under ``strategy`` (a key of VARIANTS).
+
+    ``largest_unit``: parameters of FSDP's largest shard unit, its own (not those of a unit
+    inside it), the model's remainder counting as a unit; ``largest_parameter``: the largest
+    single parameter. Unknown (None): at most ``n_params / devices`` each, one shard's worth.
+    """
+    bound = n_params / devices
+    unit = bound if largest_unit is None else largest_unit
+    tensor = bound if largest_parameter is None else largest_parameter
+    full = float(SETUP_BYTES * n_params)
+    if VARIANTS[strategy].strategy.splits_layers:
+        # Only this rank's stage goes onto the device in either construction; whole construction
+        # keeps the rest in host memory.
+        return SetUp(whole=full / devices, deferred=full / devices)
+    shards = SHARDING[strategy]
+    if shards.parameters or shards.keeps_gathered:
+        shard = full / devices
+        # load_weights() broadcasts one whole tensor at a time, of which each rank keeps its shard.
+        load = shard + SETUP_BYTES * tensor
+        # Whole: the model goes onto the device whole, and fully_shard copies this rank's shards
+        # out of it; the whole is freed only when setup() is done. Deferred: one unit at a time
+        # is materialised whole, initialised and sharded.
+        return SetUp(whole=max(full + shard, load), deferred=max(shard + SETUP_BYTES * unit, load))
+    # The whole model on every device, built there directly (deferred) or copied there (whole).
+    return SetUp(whole=full, deferred=full)

@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from phalanx._torch_compat import view_base
+from phalanx.config.sections import FSDPConfig
 from phalanx.errors import PhalanxError
 from phalanx.runtime.recompute import apply_activation_checkpointing
+from phalanx.strategies.fsdp import shard_units
 from phalanx.util.tree import map_tensors
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,6 +76,42 @@ def build(factory: Callable[..., nn.Module], kwargs: dict[str, Any], device: str
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+@dataclass(frozen=True)
+class ShardUnits:
+    """FSDP's shard units of a real model, chosen as strategy fsdp chooses them: what the set-up
+    of deferred construction materialises at once, and load_weights()' largest single tensor."""
+
+    count: int  # the units, the model itself (wrapped last, holding what no unit claimed) included
+    largest: int  # parameters of the largest unit: its own, not those of a unit inside it
+    largest_name: str  # its name in the model; "" for the model itself
+    largest_class: str
+    largest_parameter: int  # parameters of the largest single tensor
+    rule: str  # how the units were chosen: "automatic, min_params 100,000" or "wrap: Block"
+
+
+def count_shard_units(model: nn.Module, opts: FSDPConfig, setting: str = "strategy.fsdp.wrap") -> ShardUnits:
+    """``opts``: the ``strategy.fsdp`` settings that choose the units; ``setting`` names ``opts.wrap``
+    in the error for a class the model does not contain."""
+    names = {id(m): name for name, m in model.named_modules()}
+    claimed: set[int] = set()
+    sizes: list[tuple[int, nn.Module]] = []
+    for unit in shard_units(model, opts, setting):
+        own = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        sizes.append((sum(p.numel() for p in own), unit))
+    sizes.append((sum(p.numel() for p in model.parameters() if id(p) not in claimed), model))
+    largest, unit = max(sizes, key=lambda size: size[0])  # the first of equals, innermost
+    rule = f"wrap: {', '.join(opts.wrap)}" if opts.wrap else f"automatic, min_params {opts.min_params:,}"
+    return ShardUnits(
+        count=len(sizes),
+        largest=largest,
+        largest_name=names.get(id(unit), ""),
+        largest_class=type(unit).__name__,
+        largest_parameter=max((p.numel() for p in model.parameters()), default=0),
+        rule=rule,
+    )
 
 
 def measure_activations(

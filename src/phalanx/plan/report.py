@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from phalanx.plan.accounting import VARIANTS, model_state
-from phalanx.plan.measure import Activations
+from phalanx.plan.accounting import VARIANTS, model_state, setup_peak
+from phalanx.plan.measure import Activations, ShardUnits
 from phalanx.strategies import Strategy
 
 # Least communication first, in parameter-sized volumes per step as these implementations move
@@ -22,6 +22,12 @@ CONFIG_LINES = {
     "fsdp-zero3": "strategy:\n  name: fsdp\n  fsdp:\n    reshard_after_forward: true",
     "pipeline": "strategy:\n  name: pipeline\n  pipeline:\n    schedule: 1f1b",
 }
+# What deferred construction changes in the training script.
+DEFERRED_LINES = (
+    "with session.init_module():\n"
+    "    model = build()\n"
+    'session.load_weights("weights.safetensors")  # after setup(), to start from pretrained weights'
+)
 
 
 @dataclass(frozen=True)
@@ -32,12 +38,21 @@ class Row:
     gradients: float
     optimizer: float
     activations: float | None
-    total: float
-    fits: bool | None
+    total: float  # the training peak
+    setup: float  # the set-up peak under ``construction``
+    construction: str  # "whole" or "deferred"
+    setup_whole: float
+    setup_deferred: float
+    fits: bool | None  # whether the larger of set-up and training fits
+
+    @property
+    def setting(self) -> str:
+        """The strategy and checkpointing, without the construction."""
+        return self.strategy + (" + checkpointing" if self.checkpointing else "")
 
     @property
     def label(self) -> str:
-        return self.strategy + (" + checkpointing" if self.checkpointing else "")
+        return self.setting + (" (deferred)" if self.construction == "deferred" else "")
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,10 @@ class Plan:
     n_params: int
     devices: int
     device_memory: float | None
+    script_lines: str | None = None  # the recommendation's deferred construction, in the script
+    largest_unit: float = 0.0  # parameters of the FSDP unit the set-up assumes (counted, or the bound)
+    largest_parameter: float = 0.0
+    fsdp_units: ShardUnits | None = None  # counted in the model; None: bounded by n_params / devices
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -71,13 +90,21 @@ def make_plan(
     trainable: int | None = None,
     precision: str = "fp32",
     sequential: bool = True,
+    units: ShardUnits | None = None,
 ) -> Plan:
     """``headroom``: the fraction of device memory a plan may use (allocator, CUDA context, buffers).
     Rows a strategy would refuse are left out (see left_out): fsdp under fp16, pipeline under
-    bf16/fp16 or for a model that is not an nn.Sequential (``sequential``)."""
+    bf16/fp16 or for a model that is not an nn.Sequential (``sequential``). ``units``: the model's
+    FSDP shard units; without them no unit (and no tensor) is assumed above n_params / devices.
+
+    Each row assumes whole construction where that fits, else deferred construction where it
+    lowers the peak (the larger of set-up and training)."""
     refused = {cls for cls, _ in left_out(precision, sequential)}
     strategies = [s for s in ORDER if VARIANTS[s].strategy not in refused]
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4
+    limit = None if device_memory is None else headroom * device_memory
+    largest_unit = n_params / devices if units is None else float(units.largest)
+    largest_parameter = n_params / devices if units is None else float(units.largest_parameter)
     rows = []
     # Every strategy without checkpointing first: recomputing the forward costs about a third
     # more compute, more than any of the sharding stages costs in communication.
@@ -103,15 +130,40 @@ def make_plan(
                 # from the same micro-batch, so at most all of it: 1/N of the activations.
                 act = act / devices
             total = state.total + (act or 0.0)
-            fits = None if device_memory is None else total <= headroom * device_memory
-            rows.append(Row(strategy, ckpt, state.parameters, state.gradients, state.optimizer, act, total, fits))
+            setup = setup_peak(
+                strategy, n_params, devices, largest_unit=largest_unit, largest_parameter=largest_parameter
+            )
+            whole, deferred = max(total, setup.whole), max(total, setup.deferred)
+            # Whole construction needs no change to the script: deferred only where it is needed and helps.
+            construction = "deferred" if (limit is None or whole > limit) and deferred < whole else "whole"
+            peak = deferred if construction == "deferred" else whole
+            fits = None if limit is None else peak <= limit
+            used = setup.deferred if construction == "deferred" else setup.whole
+            rows.append(
+                Row(
+                    strategy,
+                    ckpt,
+                    state.parameters,
+                    state.gradients,
+                    state.optimizer,
+                    act,
+                    total,
+                    used,
+                    construction,
+                    setup.whole,
+                    setup.deferred,
+                    fits,
+                )
+            )
     choice = next((r for r in rows if r.fits), None)
-    lines = None
+    lines = script = None
     if choice is not None:
         lines = CONFIG_LINES[choice.strategy]
         if choice.checkpointing:
             lines += f"\n  activation_checkpointing: [{', '.join(checkpoint_classes)}]"
-    return Plan(rows, choice, lines, n_params, devices, device_memory)
+        if choice.construction == "deferred":
+            script = DEFERRED_LINES
+    return Plan(rows, choice, lines, n_params, devices, device_memory, script, largest_unit, largest_parameter, units)
 
 
 def left_out(precision: str, sequential: bool = True) -> list[tuple[type[Strategy], str]]:
