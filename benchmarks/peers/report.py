@@ -86,6 +86,9 @@ def render(data: dict) -> str:
         out += _time_to_target(data["time_to_target"])
     if "startup" in data:
         out += startup_section(data["startup"])
+    if "large_model_setup" in data:  # written by benchmarks/large_model_setup.py
+        out += ["## Large-model set-up (issue 12)", ""] + _header(data["large_model_setup"])
+        out += data["large_model_setup"]["lines"] + [""]
     out += _method()
     return "\n".join(out) + "\n"
 
