@@ -13,6 +13,8 @@ fsdp with every Linear its own unit:
 
 - ``phalanx deferred``: ``with session.init_module(): build()``, ``session.setup(model,
   optimizer)``, ``session.load_weights(file)`` (rank 0 reads one tensor at a time and broadcasts);
+- ``phalanx deferred, no init``: the same under ``init_module(initialize=False)``, which skips
+  ``reset_parameters()`` (the weights are loaded next), as torch by hand does;
 - ``phalanx whole``: the model built whole in every process, then the same setup and load;
 - ``torch by hand``: FSDP2's documented flow, a meta-device build, ``fully_shard`` on each Linear
   and the root, ``to_empty``, ``safetensors.torch.load_file`` on rank 0 and
@@ -24,7 +26,7 @@ start) and, on CUDA, ``torch.cuda.max_memory_allocated`` above what was allocate
 Every worker first calls ``track_live_memory()`` (glibc returns freed blocks at once), so resident
 memory follows live tensors alike for all. Afterwards each rank compares its shard of every tensor
 with the same slice of the file's tensor; a contender that loaded other weights stops the run.
-A few minutes at the defaults on 2 cores (9 launches of 2 processes).
+About 1.5 minutes at the defaults on 2 cores (12 launches of 2 processes).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import time
 WIDTH = 1024
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4  # one Linear's fp32 weight and bias
 MiB = 1 << 20
-CONTENDERS = ["phalanx deferred", "phalanx whole", "torch by hand"]
+CONTENDERS = ["phalanx deferred", "phalanx deferred, no init", "phalanx whole", "torch by hand"]
 BASE = "torch by hand"
 TITLE = "## Large-model set-up (issue 12)"
 
@@ -98,8 +100,9 @@ def worker(contender: str, path: str, layers: int, cuda: bool) -> dict:
     host_base = _restart_peak()
     started = time.perf_counter()
     if session is not None:
-        if contender == "phalanx deferred":
-            with session.init_module():
+        if contender.startswith("phalanx deferred"):
+            # no init: the weights are loaded next, so reset_parameters() is skipped (as torch by hand skips it)
+            with session.init_module(initialize=not contender.endswith("no init")):
                 model = build(layers)
         else:
             torch.manual_seed(5)  # its own init, overwritten by the load

@@ -170,3 +170,17 @@ def test_the_memory_cap_refuses_a_whole_model_over_it_at_setup():
     with pytest.raises(torch.OutOfMemoryError, match=r"set-up needs .* session.init_module\(\)"):
         session.setup(model)
     session.close()
+
+
+def test_initialize_false_skips_the_init_and_refuses_a_forward_until_loaded():
+    session = _session("single")
+    with session.init_module(initialize=False):
+        model = _model()
+    model = session.setup(model)
+    with pytest.raises(PhalanxError, match=r"initialize=False.*were not loaded"):
+        model(torch.randn(2, 8))
+    weights = _reference_weights()
+    session.load_weights(weights)
+    assert torch.equal(model[0].weight, weights["0.weight"])
+    model(torch.randn(2, 8))
+    session.close()

@@ -175,12 +175,13 @@ class Session:
         return self.lr_scaling.multiplier(self.step_count) if self.lr_scaling else 1.0
 
     # -- setup ------------------------------------------------------------------------------
-    def init_module(self) -> contextlib.AbstractContextManager:
+    def init_module(self, *, initialize: bool = True) -> contextlib.AbstractContextManager:
         """Build the model inside this block without memory for its parameters (``with
         session.init_module(): model = build()``): they go on the meta device, and ``setup()``
         materialises only what this rank holds, initialised by each module's ``reset_parameters()``
-        (docs/session.md, "Models larger than one device"). Buffers are kept as built."""
-        return empty_parameters()
+        (docs/session.md, "Models larger than one device"). Buffers are kept as built.
+        ``initialize=False``: weights will be loaded (``load_weights``), so none is initialised."""
+        return empty_parameters(None if initialize else self.strategy.skip_init)
 
     def load_weights(self, source: Any, model: nn.Module | None = None, *, strict: bool = True) -> None:
         """Put pretrained weights into a model ``setup()`` returned: ``source`` is a state dict, a

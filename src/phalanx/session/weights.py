@@ -12,6 +12,7 @@ one-line error and none is left waiting in a broadcast.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -38,22 +39,28 @@ class Weights:
         self._models = models  # the Session's list: the models setup() returned
         self.loaded: set[str] = set()  # names load() filled, over every call
         self._classes: dict[str, str] = {}  # module name -> class name, for the uninitialised line
+        self._not_initialised: set[str] = set()  # modules built under init_module(initialize=False)
 
     def watch(self, wrapped: nn.Module, model: nn.Module) -> None:
         """After ``setup()`` of a deferred ``model``: its first forward is refused while modules
         without ``reset_parameters()`` hold uninitialised weights that no load filled."""
         if not self.strategy.uninitialised():
             return
-        self._classes.update({name or "(the model)": type(m).__name__ for name, m in model.named_modules()})
+        modules = {name or "(the model)": m for name, m in model.named_modules()}
+        self._classes.update({name: type(m).__name__ for name, m in modules.items()})
+        self._not_initialised.update(name for name, m in modules.items() if m in self.strategy.skip_init)
         handle = None
 
         def refuse(*_: Any) -> None:
             pending = self.pending()
             if pending:
-                raise PhalanxError(uninitialised_message(pending, self._classes))
+                raise PhalanxError(uninitialised_message(pending, self._classes, self._skipped(pending)))
             handle.remove()
 
         handle = wrapped.register_forward_pre_hook(refuse)
+
+    def _skipped(self, pending: dict[str, list[str]]) -> bool:
+        return any(name in self._not_initialised for name in pending)
 
     def pending(self) -> dict[str, list[str]]:
         """Modules whose uninitialised tensors are not all loaded yet."""
@@ -103,30 +110,35 @@ class Weights:
 
     def _transfer(self, name: str, slot: torch.Tensor, meta: tuple, reader: Any, alone: bool) -> None:
         shape, dtype = meta
-        device = self.topology.comm_device
-        problem, value = None, None
+        value, problem = None, None
         if self.topology.rank == 0:
             try:
                 value = reader.read(name)
             except PhalanxError as err:
                 problem = str(err)
         if not alone:
-            # A read that fails half-way (a file truncated since its index was read) is announced
-            # before the broadcast, so no rank waits for a tensor that never comes.
+            value = self._broadcast(value, shape, dtype, problem)
+        elif problem:
+            raise PhalanxError(problem)
+        if not slot.is_meta:
+            self.strategy.put_weight(slot, value)
+
+    def _broadcast(self, value: torch.Tensor | None, shape: tuple, dtype: torch.dtype, problem: str | None):
+        """Rank 0's tensor on every rank, as bytes (gloo does not broadcast every dtype) with one
+        status byte after them: a read that failed half-way (a file truncated since its index was
+        read) is announced in the same broadcast, so no rank waits for a tensor that never comes."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = torch.empty(nbytes + 1, dtype=torch.uint8, device=self.topology.comm_device)
+        if self.topology.rank == 0:
+            if problem is None:
+                buffer[:nbytes].copy_(value.reshape(-1).view(torch.uint8))
+            buffer[nbytes] = 1 if problem else 0
+        dist.broadcast(buffer, src=0)
+        if buffer[nbytes].item():
             box = [problem]
             dist.broadcast_object_list(box, src=0)
-            problem = box[0]
-        if problem:
-            raise PhalanxError(problem)
-        if alone:
-            buffer = value
-        else:
-            buffer = value.to(device) if self.topology.rank == 0 else torch.empty(shape, dtype=dtype, device=device)
-            if buffer.numel():
-                # As bytes: gloo does not broadcast every dtype (bool, the float8 kinds).
-                dist.broadcast(buffer.reshape(-1).view(torch.uint8), src=0)
-        if not slot.is_meta:
-            self.strategy.put_weight(slot, buffer)
+            raise PhalanxError(box[0])
+        return buffer[:nbytes].view(dtype).view(shape)
 
 
 def _open(source: Any) -> Any:

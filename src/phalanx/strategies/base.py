@@ -8,6 +8,7 @@ Session's checks (checks.py), the planner, tune, the metrics. A subclass sets on
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -119,6 +120,8 @@ class Strategy:
     # -- launcher side --------------------------------------------------------------------
     @classmethod
     def check_world(cls, world_size: int) -> None:
+        # Modules built under init_module(initialize=False): materialised, never initialised.
+        self.skip_init: weakref.WeakSet = weakref.WeakSet()
         """Refuse a process count this strategy cannot use, before anything starts."""
         if cls.processes_per_node is not None and world_size != cls.processes_per_node:
             raise ConfigError(
@@ -175,7 +178,9 @@ class Strategy:
         for existing in self._materializers:
             if existing.root is model:
                 return existing
-        self._materializers.append(Materializer(model, self.config.train.seed, in_place=in_place))
+        self._materializers.append(
+            Materializer(model, self.config.train.seed, in_place=in_place, skip_init=self.skip_init)
+        )
         return self._materializers[-1]
 
     def uninitialised(self) -> dict[str, list[str]]:

@@ -31,13 +31,16 @@ from phalanx.util.modules import post_order
 
 
 @contextlib.contextmanager
-def empty_parameters() -> Iterator[None]:
+def empty_parameters(uninitialised: weakref.WeakSet | None = None) -> Iterator[None]:
     """Every parameter registered inside the block is put on the meta device (not thread-safe:
     it swaps ``nn.Module.register_parameter`` for the block, as a device context cannot keep buffers
-    real)."""
+    real). Modules that register one are added to ``uninitialised`` when given: their weights are
+    to be loaded, so materialising them skips their initialisation."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if uninitialised is not None:
+            uninitialised.add(module)
         if isinstance(param, nn.parameter.UninitializedParameter):
             raise PhalanxError(
                 f"{type(module).__name__} is a lazy module (its shapes come from the first batch), which cannot be "
@@ -75,9 +78,12 @@ def materialized_bytes(model: nn.Module) -> int:
 class Materializer:
     """Materialises the meta parts of one model, naming modules as the whole model does."""
 
-    def __init__(self, model: nn.Module, seed: int, *, in_place: bool = True):
+    def __init__(
+        self, model: nn.Module, seed: int, *, in_place: bool = True, skip_init: weakref.WeakSet | None = None
+    ):
         self.root = model
         self.seed = seed
+        self.skip_init = skip_init if skip_init is not None else weakref.WeakSet()
         # in_place: a materialised tensor keeps its Python object, so an optimizer built on the meta
         # parameters holds the real ones. False (fsdp): the module gets a new tensor and the meta one
         # stays empty, since the optimizer would otherwise keep every whole unit alive after its
@@ -120,7 +126,7 @@ class Materializer:
                     setattr(module, name, new)
         if not empty:
             return
-        init = module_initializer(module)
+        init = None if module in self.skip_init else module_initializer(module)
         name = self.names.get(id(module), "")
         if init is None:
             self.uninitialised[name or "(the model)"] = [f"{name}.{n}" if name else n for n in empty]
@@ -140,10 +146,17 @@ def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return nn.Parameter(moved, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
 
 
-def uninitialised_message(modules: dict[str, list[str]], classes: dict[str, str]) -> str:
-    """The one line for modules that hold uninitialised parameters (``classes``: name -> class)."""
+def uninitialised_message(modules: dict[str, list[str]], classes: dict[str, str], skipped: bool) -> str:
+    """The one line for modules that hold uninitialised parameters (``classes``: name -> class;
+    ``skipped``: they were built under init_module(initialize=False))."""
     kinds = sorted({classes.get(name, "?") for name in modules})
     shown = ", ".join(list(modules)[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    if skipped:
+        return (
+            f"the model was built under session.init_module(initialize=False), and the weights of {', '.join(kinds)} "
+            f"({shown}) were not loaded; load them with session.load_weights(...) before the first forward, "
+            "or build the model with initialize=True"
+        )
     return (
         f"the model was built under session.init_module(), but {', '.join(kinds)} ({shown}) hold parameters and "
         "have no reset_parameters(), so their weights were never initialised; give the class a reset_parameters() "
