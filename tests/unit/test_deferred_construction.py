@@ -184,3 +184,20 @@ def test_initialize_false_skips_the_init_and_refuses_a_forward_until_loaded():
     assert torch.equal(model[0].weight, weights["0.weight"])
     model(torch.randn(2, 8))
     session.close()
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_activation_checkpointing_does_not_change_the_initial_weights(strategy):
+    session = Session(
+        Config(),
+        strategy={"name": strategy, "activation_checkpointing": ["Linear"]},
+        train={"progress": False, "metrics": False, "seed": 3},
+    )
+    with session.init_module():
+        model = _model()
+    model = session.setup(model)
+    state = session.model_state_dict(model)
+    reference = _reference_weights()
+    for key, value in reference.items():
+        assert torch.equal(state[key], value), key
+    session.close()

@@ -56,7 +56,10 @@ class FSDP(Strategy):
 
     def place(self, model: nn.Module) -> nn.Module:
         # A deferred model stays on meta: wrap_model materialises each unit just before sharding it.
-        return model if is_deferred(model) else super().place(model)
+        if not is_deferred(model):
+            return super().place(model)
+        self.materializer(model, in_place=False)  # names taken now, before activation checkpointing wraps modules
+        return model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         # Imported here: torch.distributed.fsdp costs a second at `import phalanx` otherwise.

@@ -32,7 +32,10 @@ class ModelParallel(Strategy):
         return [torch.device("cpu")]  # one device: the hooks and placement logic still run
 
     def place(self, model: nn.Module) -> nn.Module:
-        return model  # wrap_model puts each unit on its own device; the model need not fit on one
+        # wrap_model puts each unit on its own device; the model need not fit on one. The names that
+        # seed each module's init are taken now, before activation checkpointing wraps modules.
+        self.materializer(model)
+        return model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         devices = self.devices()

@@ -95,7 +95,10 @@ class Pipeline(Strategy):
         return 0
 
     def place(self, model: nn.Module) -> nn.Module:
-        return model  # wrap_model puts this rank's stage on the device; the others stay where they are
+        # wrap_model puts this rank's stage on the device; the others stay where they are. The names
+        # that seed each module's init are taken now, before activation checkpointing wraps modules.
+        self.materializer(model)
+        return model
 
     @property
     def is_last(self) -> bool:
