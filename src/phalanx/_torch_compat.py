@@ -299,3 +299,24 @@ def module_initializer(module: nn.Module) -> Callable[[], None] | None:
         if isinstance(module, cls) and callable(getattr(module, name, None)):
             return getattr(module, name)
     return None
+
+
+# -- the gradient noise scale under fsdp (session/noise.py) ---------------------------------------
+def fsdp_measuring_reduce_scatter(add: Callable[[torch.Tensor], None], armed: Callable[[], bool]) -> Any:
+    """A reduce-scatter for ``FSDPModule.set_custom_reduce_scatter`` (public) that hands each input
+    (this rank's unsharded gradient of one unit, before it is averaged) to ``add`` while ``armed()``,
+    then reduces as FSDP's default does. It subclasses FSDP2's default communication class, whose
+    module path is private. Checked on torch 2.13; None where the class is gone (the noise scale is
+    then not measured under fsdp without accumulation)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:
+        return None
+
+    class MeasuringReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            if armed():
+                add(input_tensor)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return MeasuringReduceScatter()

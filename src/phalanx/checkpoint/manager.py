@@ -153,7 +153,13 @@ class Checkpointer:
             objects.precision.load_state_dict(trainer["precision"])
             mine = saved["ranks"][self.topology.rank] if saved["world_size"] == world else None
             objects.state.load_state_dict(
-                {"step": trainer["step"], "epoch": trainer["epoch"], "data": trainer["data"], "rng": mine}
+                {
+                    "step": trainer["step"],
+                    "epoch": trainer["epoch"],
+                    "data": trainer["data"],
+                    "rng": mine,
+                    "noise_scale": _noise_state(trainer.get("noise_scale")),
+                }
             )
         return manifest
 
@@ -415,3 +421,12 @@ def _model_of(objects: TrainingObjects, optimizer) -> nn.Module:
 def _save(obj: Any, path: Path) -> None:
     with open(path, "wb") as fh:
         torch.save(obj, fh)
+
+
+def _noise_state(value: Any) -> dict[str, Any] | None:
+    """The noise-scale averages of a checkpoint, or None for one without them (or with a damaged
+    entry: they are statistics, and an estimate that starts afresh costs nothing)."""
+    keys = ("count", "g2", "trace")
+    if isinstance(value, dict) and all(isinstance(value.get(k), (int, float)) for k in keys):
+        return value
+    return None

@@ -349,6 +349,20 @@ class TrainConfig(Section):
             "over it, torch.OutOfMemoryError (null: no cap)"
         ),
     )
+    noise_scale: bool = Field(
+        True,
+        description=(
+            "estimate the gradient noise scale (the batch size beyond which more samples per step buy little) "
+            "from the gradients each step has, into the metrics and the run summary (docs/goodput.md)"
+        ),
+    )
+    noise_scale_every: int = Field(10, gt=0, description="optimizer steps between two noise-scale estimates")
+    noise_scale_smoothing: float = Field(
+        0.95,
+        gt=0,
+        lt=1,
+        description="moving-average factor per estimate of the noise scale's two parts (0.95: about 20 estimates)",
+    )
 
     @field_validator("memory_cap")
     @classmethod

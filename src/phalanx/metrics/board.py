@@ -11,6 +11,7 @@ _TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
+    "noise_scale": "train/noise_scale",
     "samples_per_s": "perf/samples_per_s",
     "step_time": "perf/step_time_s",
     "data_wait": "perf/data_wait_s",

@@ -62,6 +62,7 @@ class StepRecorder:
         self._sync_start: float | None = None
         self._wait = 0.0
         self._grad_norm: torch.Tensor | None = None
+        self.noise_scale: float | None = None  # the latest gradient noise scale (session/noise.py)
         self._last_step = 0
         self._watching = False
         self._closed = False
@@ -122,6 +123,7 @@ class StepRecorder:
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": grad_norm,
+                    "noise_scale": self.noise_scale,
                     "peak_mem_bytes": self._peak_memory(),
                 }
             )
@@ -160,12 +162,12 @@ class StepRecorder:
         if self._summary_at_close:
             summary = summarize({self.rank: list(self.records)}, self._flops_facts())
             if summary is not None:
-                from phalanx.metrics.report import data_wait_hint, one_line
+                from phalanx.metrics.report import data_wait_hint, noise_line, one_line
 
                 print(one_line(summary), flush=True)
-                hint = data_wait_hint(summary)
-                if hint:
-                    print(hint, flush=True)
+                for hint in (data_wait_hint(summary), noise_line(summary)):
+                    if hint:
+                        print(hint, flush=True)
 
     def _set_flops(self, value: float | None) -> None:
         self.flops_per_sample = value

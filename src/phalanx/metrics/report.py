@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.metrics.straggler import SLOW_FACTOR, SLOW_SHARE
 from phalanx.metrics.summary import read_flops, read_records, summarize, write_summary
+from phalanx.runtime.noise_scale import describe
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -34,7 +35,7 @@ def report_run(run_dir: Path) -> dict[str, Any] | None:
         console = Console() if sys.stdout.isatty() else Console(width=120)
         console.print(headline(summary), highlight=False)
         console.print(summary_table(summary))
-        for line in [*verdict(summary), data_wait_hint(summary)]:
+        for line in [*verdict(summary), data_wait_hint(summary), noise_line(summary)]:
             if line:
                 console.print(line, highlight=False, soft_wrap=True)
     traces = sorted((run_dir / "profile").glob("rank*.json"))
@@ -116,6 +117,14 @@ def data_wait_hint(summary: dict[str, Any]) -> str | None:
         f"phalanx: the input pipeline holds training back: {who} {100 * share:.0f}% of its step time waiting for data; "
         "raise data.num_workers or run `phalanx tune`"
     )
+
+
+def noise_line(summary: dict[str, Any]) -> str | None:
+    """What the gradient noise scale says about this run's global batch (docs/goodput.md)."""
+    noise, batch = summary.get("noise_scale"), summary.get("global_batch")
+    if not noise or not batch:
+        return None
+    return "phalanx: " + describe(batch, noise)
 
 
 def one_line(summary: dict[str, Any]) -> str:

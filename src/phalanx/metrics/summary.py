@@ -64,6 +64,7 @@ def summarize(records: dict[int, list[dict[str, Any]]], flops: dict[str, Any] | 
     work = {rank: {r["step"]: r["step_time"] - r.get("sync_time", 0.0) for r in recs} for rank, recs in records.items()}
     straggler = find_straggler(work)
     mfus = [row["mfu"] for row in rows if row["mfu"] is not None]
+    last = records[min(records)][-1]  # rank 0's (the lowest rank's) last step: the estimate is the same on all
     return {
         "world_size": world,
         "steps": max(row["steps"] for row in rows),
@@ -73,6 +74,8 @@ def summarize(records: dict[int, list[dict[str, Any]]], flops: dict[str, Any] | 
         "flops_per_sample": flops.get("flops_per_sample") if flops else None,
         "peak_flops_per_s": flops.get("peak_flops_per_s") if flops else None,
         "mfu": median(mfus) if mfus else None,
+        "noise_scale": last.get("noise_scale"),
+        "global_batch": last.get("samples"),
     }
 
 

@@ -53,6 +53,7 @@ from phalanx.session.guards import PortingGuards
 from phalanx.session.layout import LayoutLock
 from phalanx.session.limit import StepLimit
 from phalanx.session.manual import GradientKeeping
+from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
 from phalanx.session.weights import Weights
@@ -107,6 +108,8 @@ class Session:
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self.weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
+        self.noise = NoiseProbe(config, self.strategy, self.topology, self._models)  # the gradient noise scale
+        self.state.noise = self.noise
         self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
@@ -305,6 +308,7 @@ class Session:
                     "optim.lr_scaling needs optim.reference_batch_size (the batch size your lr was tuned for)"
                 )
             reference = self.batch.global_batch_size
+        self.noise.plan(self.batch)
         self.lr_scaling = LRScaling(
             cfg.optim.lr_scaling,
             self.batch.global_batch_size,
@@ -464,7 +468,10 @@ class Session:
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
         self.gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and self.state.micro > 1)
+        where = (self.state.step, self.state.micro, steps, self.sync_gradients)
+        self.noise.before_backward(*where)
         self._last_loss = self.strategy.backward(loss, self.precision, steps)
+        self.noise.after_backward(*where, self.precision.scaler)
         self.gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self.memory_cap is not None:
             self.memory_cap.check()
@@ -521,6 +528,7 @@ class Session:
                 opt.zero_grad(set_to_none=True)
             self.gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
             lr = base[0][0] * multiplier if base else None
+            self.metrics.noise_scale = self.noise.value
             self.metrics.record(
                 stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr
             )

@@ -32,6 +32,7 @@ class TrainState:
         self.micro = 0  # micro-steps into the current global batch
         self.loaders: list[Resumable] = []  # training loaders, in set-up order
         self._pending_rng: dict[str, Any] | None = None  # restored when the next training pass starts
+        self.noise: Any = None  # the noise-scale estimate (session/noise.py): its moving averages resume too
 
     def add_loader(self, loader: Resumable) -> None:
         self.loaders.append(loader)
@@ -41,7 +42,10 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state; ``rng`` differs between ranks, the rest is the same on every rank."""
-        return {"step": self.step, "epoch": self.epoch, "data": self.positions(), "rng": rng.capture(self.device)}
+        state = {"step": self.step, "epoch": self.epoch, "data": self.positions(), "rng": rng.capture(self.device)}
+        if self.noise is not None:
+            state["noise_scale"] = self.noise.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """``rng`` may be None (a checkpoint of another process count): the generators start fresh.
@@ -53,6 +57,8 @@ class TrainState:
         for loader, position in zip(self.loaders, state["data"]):
             loader.resume_at(position["epoch"], position["position"])
         self._pending_rng = state.get("rng")
+        if self.noise is not None:
+            self.noise.load_state_dict(state.get("noise_scale"))
         if not self.loaders:
             self.restore_rng()
 

@@ -20,6 +20,7 @@ from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.schema import Config
 from phalanx.config.sections import BatchConfig, StrategyConfig
 from phalanx.errors import ConfigError
+from phalanx.runtime.noise_scale import squared_norm
 from phalanx.strategies.construction import Materializer, is_deferred
 from phalanx.topology import Topology
 
@@ -74,6 +75,10 @@ class Strategy:
     # wrapper synchronises gradients: refused while autograd records a trainable layer), "none"
     # (the layers are split over processes: always refused).
     direct_calls: ClassVar[str] = "any"
+    # In the no-sync micro-steps of accumulation, each parameter's .grad holds this rank's own
+    # gradient (what the gradient noise scale takes as its small batch; runtime/noise_scale.py).
+    # False where gradients accumulate elsewhere (fsdp: unsharded, inside FSDP) or are a stage's.
+    local_micro_step_gradients: ClassVar[bool] = True
     # What a refusal for a missing capability adds after naming it: why, and the fix; keyed by
     # the setting refused ("precision.mode", "compute.channels_last", ...). checks.py writes a
     # generic fix where a strategy gives none.
@@ -116,12 +121,12 @@ class Strategy:
         self.topology = topology
         self._owns_process_group = False
         self._materializers: list[Materializer] = []  # one per deferred model (see construction.py)
+        # Modules built under init_module(initialize=False): materialised, never initialised.
+        self.skip_init: weakref.WeakSet = weakref.WeakSet()
 
     # -- launcher side --------------------------------------------------------------------
     @classmethod
     def check_world(cls, world_size: int) -> None:
-        # Modules built under init_module(initialize=False): materialised, never initialised.
-        self.skip_init: weakref.WeakSet = weakref.WeakSet()
         """Refuse a process count this strategy cannot use, before anything starts."""
         if cls.processes_per_node is not None and world_size != cls.processes_per_node:
             raise ConfigError(
@@ -207,6 +212,16 @@ class Strategy:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def gradient_sq(self, models: list[nn.Module]) -> torch.Tensor:
+        """The squared norm of the models' synchronised gradients (float64), the same on every rank."""
+        grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
+        return squared_norm([g.to_local() if hasattr(g, "to_local") else g for g in grads])
+
+    # Where the synchronising backward measures this rank's own gradient before it is averaged
+    # (runtime/noise_scale.LocalNorms, armed by the Session); None where the strategy cannot (then
+    # only accumulation's micro-steps give the noise scale its small batch).
+    local_norms: Any = None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.errors import ConfigError
+from phalanx.runtime.noise_scale import LocalNorms
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.unused import UnusedParameters
 from phalanx.util.words import plural
@@ -27,6 +28,10 @@ class DDP(Strategy):
     def __init__(self, config, topology):
         super().__init__(config, topology)
         self._unused: list[UnusedParameters] = []  # one per wrapped model
+        # This rank's gradient before the all-reduce, for the noise scale's small batch: measured
+        # in the comm hook, which sees each bucket before it is averaged.
+        measure = config.train.noise_scale and topology.world_size > 1
+        self.local_norms: LocalNorms | None = LocalNorms() if measure else None
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         opts = self.config.strategy.ddp
@@ -48,7 +53,7 @@ class DDP(Strategy):
             **_bucket_sizes(opts.bucket_cap_mb, opts.first_bucket_cap_mb),
             **{buffers: opts.broadcast_buffers},
         )
-        if opts.comm_hook != "none":
+        if opts.comm_hook != "none" or self.local_norms is not None:
             self._register_hook(wrapped)
         self._unused.append(
             UnusedParameters(wrapped, opts.find_unused_parameters, self.topology.comm_device, self.topology.is_main)
@@ -65,12 +70,15 @@ class DDP(Strategy):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         opts = self.config.strategy.ddp
-        if opts.comm_hook == "fp16":
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        register = model.register_comm_hook if self.local_norms is None else self._measuring(model)
+        if opts.comm_hook == "none":
+            register(None, default_hooks.allreduce_hook)  # what DDP does without a hook, in Python
+        elif opts.comm_hook == "fp16":
+            register(None, default_hooks.fp16_compress_hook)
         elif opts.comm_hook == "bf16":
             if self.topology.backend != "nccl":
                 raise ConfigError("strategy.ddp.comm_hook=bf16 needs NCCL (CUDA devices); on gloo use fp16 or none")
-            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            register(None, default_hooks.bf16_compress_hook)
         else:
             # Error feedback carries what the low-rank step dropped into the next step, so
             # training converges; its state is not in checkpoints (a resume restarts it).
@@ -81,7 +89,22 @@ class DDP(Strategy):
                 warm_start=opts.powersgd_warm_start,
                 use_error_feedback=True,
             )
-            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            register(state, powerSGD_hook.powerSGD_hook)
+
+    def _measuring(self, model: DistributedDataParallel):
+        """register_comm_hook for ``model``, with the hook wrapped to measure the local gradient
+        first (it composes with every hook: the compression hooks see the same buckets)."""
+        norms = self.local_norms
+
+        def register(state, hook):
+            def measured(state, bucket):
+                if norms.armed:
+                    norms.add(bucket.buffer())
+                return hook(state, bucket)
+
+            model.register_comm_hook(state, measured)
+
+        return register
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()

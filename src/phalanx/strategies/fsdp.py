@@ -7,10 +7,13 @@ import contextlib
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from phalanx._torch_compat import fsdp_measuring_reduce_scatter
 from phalanx.config.sections import FSDPConfig
 from phalanx.errors import ConfigError
+from phalanx.runtime.noise_scale import LocalNorms
 from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.construction import is_deferred
 from phalanx.util.modules import post_order, submodules_of
@@ -28,6 +31,7 @@ class FSDP(Strategy):
     precisions = frozenset({"fp32", "bf16"})
     supports_channels_last = False
     shards = Sharding(parameters=True, gradients=True, optimizer=True)
+    local_micro_step_gradients = False  # they accumulate unsharded inside FSDP until the reduce-scatter
     advice: ClassVar[dict[str, str]] = {
         "precision.mode": "(its loss scaling would need a sharded inf check); use bf16",
         "compute.channels_last": (
@@ -38,6 +42,10 @@ class FSDP(Strategy):
     def __init__(self, config, topology):
         super().__init__(config, topology)
         self._new_params: dict[int, nn.Parameter] = {}
+        # This rank's gradient before the reduce-scatter averages it, for the noise scale's small
+        # batch: measured in a reduce-scatter of FSDP's own kind that looks at each input first.
+        measure = config.train.noise_scale and topology.world_size > 1
+        self.local_norms: LocalNorms | None = LocalNorms() if measure else None
 
     @classmethod
     def sharding(cls, settings) -> Sharding:
@@ -84,6 +92,7 @@ class FSDP(Strategy):
         if build is not None:
             build.materialize(model, self.topology.device)  # what no unit claimed: embeddings, head, norms
         fully_shard(model, **kwargs)
+        self._measure_reduce_scatters(model)
         # model.load_state_dict() takes the user's plain weights, as under every other strategy.
         model.register_load_state_dict_pre_hook(_shard_full_tensors)
         # fully_shard replaces every parameter with a sharded one; optimizers built on the old
@@ -91,6 +100,25 @@ class FSDP(Strategy):
         after = dict(model.named_parameters())
         self._new_params.update({id(p): after[name] for name, p in before.items()})
         return model
+
+    def _measure_reduce_scatters(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        norms = self.local_norms
+        comm = fsdp_measuring_reduce_scatter(norms.add, lambda: norms.armed) if norms is not None else None
+        if comm is None:
+            self.local_norms = None
+            return
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(comm)
+
+    def gradient_sq(self, models: list[nn.Module]) -> torch.Tensor:
+        # Each rank holds disjoint shards: the sum of every rank's is the whole gradient's.
+        local = super().gradient_sq(models).to(self.topology.comm_device)
+        if self.topology.world_size > 1:
+            dist.all_reduce(local)
+        return local
 
     def _shard_units(self, model: nn.Module) -> list[nn.Module]:
         return shard_units(model, self.config.strategy.fsdp)

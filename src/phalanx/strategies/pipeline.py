@@ -48,6 +48,7 @@ class Pipeline(Strategy):
     shards = Sharding(parameters=True, gradients=True, optimizer=True)
     needs_sequential = True
     splits_layers = True
+    local_micro_step_gradients = False  # each rank holds one stage's
     direct_calls = "none"
     advice: ClassVar[dict[str, str]] = {
         "precision.mode": "(fp32 only for now); set precision.mode fp32, or use fsdp or ddp for bf16/fp16",

@@ -1,0 +1,109 @@
+"""Where the Session's gradients feed the gradient noise scale (runtime/noise_scale.py).
+
+Every ``train.noise_scale_every``-th optimizer step is an estimating step. Its big-batch gradient is
+the one the optimizer gets (the global batch), read right after the synchronising backward, before
+any clipping. Its small-batch gradient is one rank's gradient over one micro-batch, taken where it
+already exists: under accumulation, the first micro-step's gradient (it is alone in ``.grad``
+until the second backward adds to it); without accumulation and with several processes, each
+rank's gradient before DDP averages it, measured in DDP's comm hook. The small squared norm is
+averaged over the ranks (one all-reduce of one number per estimating step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.config.batch import BatchPlan
+from phalanx.config.schema import Config
+from phalanx.runtime.noise_scale import NoiseScale
+from phalanx.strategies import Strategy
+from phalanx.topology import Topology
+
+
+class NoiseProbe:
+    def __init__(self, config: Config, strategy: Strategy, topology: Topology, models: list[nn.Module]):
+        self.settings = config.train
+        self.strategy = strategy
+        self.topology = topology
+        self._models = models  # the Session's list
+        self.estimate: NoiseScale | None = None
+        self.why_not: str | None = None  # why this run has no estimate, once the batch is planned
+        self._source: str | None = None  # where the small batch's gradient is read (see plan)
+        self._small: torch.Tensor | None = None
+        self._pending: dict[str, Any] | None = None  # a checkpoint's state, until the batch is planned
+
+    def plan(self, batch: BatchPlan) -> None:
+        """The batch sizes are known (or changed): choose where the small batch comes from."""
+        self.estimate, self.why_not, self._source = None, None, None
+        if not self.settings.noise_scale:
+            return
+        dp = self.strategy.data_parallel_size
+        if batch.accumulation_steps > 1 and self.strategy.local_micro_step_gradients:
+            # The widest ratio of the two batches: one micro-batch against the global batch.
+            self._source, small = "micro-step", batch.micro_batch_size
+        elif dp > 1 and self.strategy.local_norms is not None:
+            self._source, small = "comm hook", batch.global_batch_size // dp  # a rank's share, all micro-steps
+        else:
+            self.why_not = (
+                "one process without accumulation has a single batch size; set batch.micro_batch_size below the "
+                "global batch to measure it"
+                if dp == 1 and self.strategy.local_micro_step_gradients
+                else f"strategy {self.strategy.name} exposes no gradient over fewer samples than the global batch"
+            )
+            return
+        self.estimate = NoiseScale(small, batch.global_batch_size, self.settings.noise_scale_smoothing)
+        if self._pending is not None:
+            self.estimate.load_state_dict(self._pending)
+            self._pending = None
+
+    def measuring(self, step: int) -> bool:
+        """Whether the optimizer step after ``step`` steps estimates."""
+        return self.estimate is not None and (step + 1) % self.settings.noise_scale_every == 0
+
+    def before_backward(self, step: int, micro: int, accumulation: int, sync: bool) -> None:
+        if sync and self._source == "comm hook" and self.measuring(step):
+            self.strategy.local_norms.armed = True
+
+    def after_backward(self, step: int, micro: int, accumulation: int, sync: bool, scaler: Any) -> None:
+        """``scaler``: fp16's GradScaler (gradients are scaled until the step) or None."""
+        if not self.measuring(step):
+            return
+        scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        if self._source == "micro-step" and micro == 1:
+            # The loss was divided by the accumulation steps: the micro-batch's own mean gradient
+            # is the accumulated one times that.
+            self._small = self.strategy.gradient_sq(self._models) * (accumulation / scale) ** 2
+        if not sync:
+            return
+        if self._source == "comm hook":
+            local = self.strategy.local_norms.take()
+            # DDP's buckets hold the micro-steps' sum (each loss divided by the steps): the mean.
+            self._small = local / scale**2 if local is not None else None
+        small, self._small = self._small, None
+        if small is None:
+            return  # the hook saw no bucket (no gradient this step)
+        big = self.strategy.gradient_sq(self._models) / scale**2
+        if self.topology.world_size > 1:
+            small = small.to(self.topology.comm_device)
+            dist.all_reduce(small)  # each rank's small gradient is its own: their mean
+            small = small / self.topology.world_size
+        self.estimate.observe(float(small), float(big))
+
+    @property
+    def value(self) -> float | None:
+        return self.estimate.value if self.estimate is not None else None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.estimate.state_dict() if self.estimate is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            return
+        if self.estimate is None:
+            self._pending = state  # restored once the batch is planned
+        else:
+            self.estimate.load_state_dict(state)
