@@ -24,6 +24,7 @@ class RunFigures:
     step_time: float  # seconds; a step's time is its slowest rank's
     data_wait: float  # seconds; a step's wait is its longest-waiting rank's
     peak_mem_bytes: int | None
+    noise_scale: float | None = None  # the gradient noise scale at the run's last complete step
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ def run_figures(
         step_time=step_time,
         data_wait=data_wait,
         peak_mem_bytes=max(peaks) if peaks else None,
+        noise_scale=complete[-1][0].get("noise_scale"),  # the smoothed estimate: its latest is its best
     )
 
 

@@ -56,6 +56,15 @@ def register(commands) -> None:
     tune.add_argument(
         "--search", metavar="LIST", help="stages to run, from micro-batch,workers,bucket (default: all three)"
     )
+    tune.add_argument(
+        "--objective",
+        choices=("throughput", "time"),
+        default="throughput",
+        help=(
+            "what the micro-batch stage maximises: throughput (samples/s), or time (samples/s x the statistical "
+            "efficiency of the global batch, from the gradient noise scale the trials measure; docs/goodput.md)"
+        ),
+    )
     tune.add_argument("--dry-run", action="store_true", help="run the trials and print the choice, but write nothing")
     shared.add("--run-dir")
     shared.add("--cpu")
@@ -71,6 +80,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         allow_global_batch=args.allow_global_batch,
         search=parse_search(args.search),
         dry_run=args.dry_run,
+        objective=args.objective,
         **trial_options(args),
     )
     result = run_tune(options, say=lambda line: print(line, flush=True))

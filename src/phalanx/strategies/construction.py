@@ -78,9 +78,7 @@ def materialized_bytes(model: nn.Module) -> int:
 class Materializer:
     """Materialises the meta parts of one model, naming modules as the whole model does."""
 
-    def __init__(
-        self, model: nn.Module, seed: int, *, in_place: bool = True, skip_init: weakref.WeakSet | None = None
-    ):
+    def __init__(self, model: nn.Module, seed: int, *, in_place: bool = True, skip_init: weakref.WeakSet | None = None):
         self.root = model
         self.seed = seed
         self.skip_init = skip_init if skip_init is not None else weakref.WeakSet()

@@ -17,6 +17,7 @@ and is read as "out of memory" from the ranks' logs.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -51,6 +52,7 @@ class TuneOptions(TrialOptions):
     allow_global_batch: bool = False
     search: tuple[str, ...] = STAGES
     dry_run: bool = False
+    objective: str = "throughput"  # or "time": throughput x statistical efficiency (docs/goodput.md)
 
     def command(self) -> str:
         first = ["--nproc", str(self.nproc)] if self.nproc else []
@@ -61,6 +63,8 @@ class TuneOptions(TrialOptions):
             middle.append("--allow-global-batch")
         if tuple(self.search) != STAGES:
             middle += ["--search", ",".join(self.search)]
+        if self.objective != "throughput":
+            middle += ["--objective", self.objective]
         return self.command_line("tune", first=first, middle=middle, last=["--dry-run"] if self.dry_run else [])
 
 
@@ -113,6 +117,8 @@ class _Tuner:
             *quiet_overrides(self.base.config, self.directory),
             "train.tensorboard=false",
             "launch.max_restarts=0",  # an out-of-memory trial must end, not resume
+            # A trial is short: every step estimates the noise scale (about one pass over the gradients).
+            *(("train.noise_scale=true", "train.noise_scale_every=1") if options.objective == "time" else ()),
         )
         self.trials: list[Trial] = []
         self._by_settings: dict[Settings, Trial] = {}
@@ -145,7 +151,30 @@ class _Tuner:
             self.say(note)
         return trial
 
-    def confirmed(self, stage: str, current: Trial, winner: Trial) -> bool:
+    def _noise_scale(self, trials) -> float | None:
+        """The gradient noise scale the trials measured (their median: each estimates the same
+        quantity, at its own batch)."""
+        values = [t.figures.noise_scale for t in trials if t.outcome == OK and t.figures and t.figures.noise_scale]
+        return statistics.median(values) if values else None
+
+    def _time_words(self, measured: list[search.Measured], noise: float | None, current: int | None) -> str:
+        if noise is None:
+            return (
+                "no trial measured the gradient noise scale (docs/goodput.md says where it can be), "
+                "so the choice is by throughput"
+            )
+        ref = next((m for m in measured if m.value == current and m.ok), None)
+        parts = []
+        for m in measured:
+            if m.ok:
+                time = f", time x{search.predicted_time_ratio(m, ref, noise):.2f}" if ref is not None else ""
+                parts.append(
+                    f"{m.value}: {m.samples_per_s:,.0f} samples/s x efficiency "
+                    f"{search.efficiency(m.global_batch, noise):.2f}{time}"
+                )
+        return f"gradient noise scale ≈{noise:,.0f}; " + "; ".join(parts)
+
+    def confirmed(self, stage: str, current: Trial, winner: Trial, noise: float | None = None) -> bool:
         """A change from the value in use must win a second, independent pair of trials too:
         between trials minutes apart, a shared machine's load alone moves samples/s by more
         than the gain a setting brings."""
@@ -155,7 +184,13 @@ class _Tuner:
         again_winner = self.trial(
             stage, winner.settings, f"{self.stage_label(stage, winner.settings)} (again)", again=True
         )
-        return search.confirmed(again_current.samples_per_s, again_winner.samples_per_s)
+        if noise is None:
+            return search.confirmed(again_current.samples_per_s, again_winner.samples_per_s)
+        rates = [
+            search.Measured(0, t.samples_per_s, global_batch=t.settings.global_batch).goodput(noise)
+            for t in (again_current, again_winner)
+        ]
+        return search.confirmed(*rates)
 
     def stage_label(self, stage: str, s: Settings) -> str:
         """What a trial varies, in the words of its stage."""
@@ -281,13 +316,14 @@ class _Tuner:
                 f"its output is in {tried[candidates[0]].log}"
             )
         over = min((s for s, t in tried.items() if s > largest and t.outcome != OK), default=None)
-        winner = search.fastest(
-            [search.Measured(s, t.samples_per_s) for s, t in sorted(tried.items())],
-            current.micro if start.outcome == OK else None,
-        )
+        measured = [search.Measured(s, t.samples_per_s, global_batch=t.settings.global_batch) for s, t in tried.items()]
+        measured.sort(key=lambda m: m.value)
+        noise = self._noise_scale(tried.values()) if o.objective == "time" else None
+        now = current.micro if start.outcome == OK else None
+        winner = search.fastest_to_target(measured, now, noise) if noise else search.fastest(measured, now)
         chosen = tried[int(winner.value)]
         unconfirmed = None
-        if chosen is not start and start.outcome == OK and not self.confirmed("micro-batch", start, chosen):
+        if chosen is not start and start.outcome == OK and not self.confirmed("micro-batch", start, chosen, noise):
             unconfirmed, chosen = chosen, start
         chosen.chosen = True
         text = f"micro-batch: the largest that fits is {largest}"
@@ -302,8 +338,12 @@ class _Tuner:
             text += f", the largest tried (--max-micro-batch {most})"
             if self.base.devices.kind == "cpu" and self.base.config.train.memory_cap is None:
                 text += "; on CPU without --memory-cap only the machine's RAM limits memory"
+        if o.objective == "time":
+            text += "; " + self._time_words(measured, noise, current.micro if start.outcome == OK else None)
         if chosen.settings.micro != current.micro:
-            text += f"; chosen {chosen.settings.micro}, the fastest that fits"
+            text += f"; chosen {chosen.settings.micro}, " + (
+                "the shortest predicted time to the same quality" if noise else "the fastest that fits"
+            )
         elif unconfirmed is not None:
             text += (
                 f"; kept the script's own {current.micro}: {unconfirmed.settings.micro} was faster at first, "
@@ -453,6 +493,7 @@ def _document(result: TuneResult, options: TuneOptions, device: str, nproc: int)
         "command": options.command(),
         "device": device,
         "nproc": nproc,
+        "objective": options.objective,
         "trials": [t.as_json() for t in result.trials],
         "stages": [{"stage": s.stage, "summary": s.summary, "values": s.values} for s in result.stages],
         "values": result.values,

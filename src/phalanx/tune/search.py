@@ -26,10 +26,18 @@ class Measured:
     value: float | int
     samples_per_s: float | None
     data_wait_share: float | None = None
+    global_batch: int | None = None
 
     @property
     def ok(self) -> bool:
         return self.samples_per_s is not None
+
+    def goodput(self, noise_scale: float) -> float | None:
+        """Samples/s times the statistical efficiency of its global batch (see :func:`efficiency`):
+        the progress per second, in samples of a tiny batch."""
+        if not self.ok or self.global_batch is None:
+            return None
+        return self.samples_per_s * efficiency(self.global_batch, noise_scale)
 
 
 # -- micro-batch ----------------------------------------------------------------------------------
@@ -94,6 +102,35 @@ def global_batch_for(micro: int, global_batch: int, data_parallel: int) -> int:
     per-process share; beyond it, one micro-batch per process (no accumulation)."""
     per_process = global_batch // data_parallel
     return global_batch if micro <= per_process and per_process % micro == 0 else micro * data_parallel
+
+
+# -- time to a target -----------------------------------------------------------------------------
+def efficiency(global_batch: int, noise_scale: float) -> float:
+    """The work one sample does at ``global_batch`` against a tiny batch, 1 / (1 + B / B_noise)
+    (McCandlish et al. 2018: reaching a loss takes E_min (1 + B / B_noise) samples)."""
+    return 1.0 / (1.0 + global_batch / noise_scale)
+
+
+def predicted_time_ratio(candidate: Measured, reference: Measured, noise_scale: float) -> float:
+    """Time to the same quality at ``candidate``'s settings over that at ``reference``'s: the
+    inverse ratio of their goodputs."""
+    return reference.goodput(noise_scale) / candidate.goodput(noise_scale)
+
+
+def fastest_to_target(
+    results: list[Measured], current: float | int | None, noise_scale: float, min_gain: float = MIN_GAIN
+) -> Measured | None:
+    """The result of the highest goodput (throughput x statistical efficiency), unless the current
+    value's is within ``min_gain`` of it. The largest batch that fits is no longer the answer when
+    its samples do less work than its speed buys."""
+    ok = [r for r in results if r.ok and r.global_batch is not None]
+    if not ok:
+        return None
+    best = max(ok, key=lambda r: r.goodput(noise_scale))
+    now = next((r for r in ok if r.value == current), None)
+    if now is not None and best.goodput(noise_scale) < now.goodput(noise_scale) * (1 + min_gain):
+        return now
+    return best
 
 
 # -- choices --------------------------------------------------------------------------------------

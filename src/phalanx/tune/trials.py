@@ -89,6 +89,7 @@ class Trial:
             "samples_per_s": self.samples_per_s,
             "data_wait_share": self.data_wait_share,
             "peak_mem_bytes": self.figures.peak_mem_bytes if self.figures else None,
+            "noise_scale": self.figures.noise_scale if self.figures else None,
             "seconds": round(self.seconds, 2),
             "chosen": self.chosen,
             "run_dir": str(self.run_dir) if self.run_dir else None,
