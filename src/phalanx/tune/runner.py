@@ -350,7 +350,11 @@ class _Tuner:
                 "not when both ran again"
             )
         elif len(tried) > 1:
-            text += f"; kept the script's own {current.micro}: no other measured {search.MIN_GAIN:.0%} faster"
+            text += f"; kept the script's own {current.micro}: " + (
+                f"no other has a predicted time to the same quality {search.MIN_GAIN:.0%} shorter"
+                if noise
+                else f"no other measured {search.MIN_GAIN:.0%} faster"
+            )
         # A limit, not the size: at another process count the Session divides the global batch anew.
         values: dict[str, object] = {LIMIT: chosen.settings.micro}
         if chosen.settings.global_batch != current.global_batch:
