@@ -7,7 +7,7 @@
 
 The model is an nn.Sequential of nn.Linear(1024, 1024) layers (96 by default, about 384 MiB of
 fp32; ``--mib`` sets the layer count). Its "pretrained" weights are written once, from a fixed
-seed, by ``safetensors.torch.save_file``. Each round runs three contenders, in an order that
+seed, by ``safetensors.torch.save_file``. Each round runs the contenders, in an order that
 rotates every round, each in 2 fresh processes (``phalanx.spawn``; gloo on CPU, NCCL on CUDA),
 fsdp with every Linear its own unit:
 
@@ -164,18 +164,12 @@ def _check(model, path: str, rank: int, world: int, contender: str) -> None:
 # -- the driver ---------------------------------------------------------------------------------
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    import statistics
-
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import statistics
-    import tempfile
     from pathlib import Path
 
+    import sections
     import torch
 
     import phalanx
@@ -183,28 +177,24 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=float, default=384, help="model size in MiB of fp32 (default 384: 96 layers)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three contenders (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the contenders (default 3)")
     parser.add_argument("--cuda", action="store_true", help="each rank on its GPU (NCCL); adds the device peak")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one contender's 2 processes may take")
-    parser.add_argument(
-        "--out", metavar="DIR", help="write the figures into DIR/benchmarks.json and DIR/benchmarks.md (e.g. docs)"
-    )
+    sections.add_out_argument(parser)
     args = parser.parse_args(argv)
     layers = max(1, round(args.mib * MiB / LAYER_BYTES))
     nprocs = 2
     runs: dict[str, list[list[dict]]] = {c: [] for c in CONTENDERS}
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="phalanx-large-setup-") as tmp:
-        from safetensors.torch import save_file
+    try:
+        with sections.scratch_directory("phalanx-large-setup-") as tmp:  # the weights file and the run directories
+            from safetensors.torch import save_file
 
-        path = str(Path(tmp) / "weights.safetensors")
-        torch.manual_seed(0)
-        save_file({k: v.contiguous() for k, v in build(layers).state_dict().items()}, path)
-        here = os.getcwd()
-        os.chdir(tmp)  # whatever a Session writes (its run directory) goes with the file
-        try:
+            path = str(tmp / "weights.safetensors")
+            torch.manual_seed(0)
+            save_file({k: v.contiguous() for k, v in build(layers).state_dict().items()}, path)
             for r in range(args.rounds):
-                for name in CONTENDERS[r % 3 :] + CONTENDERS[: r % 3]:
+                for name in CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]:
                     ranks = phalanx.spawn(
                         worker, nprocs, args=(name, path, layers, args.cuda), cpu=not args.cuda, timeout=args.timeout
                     )
@@ -214,11 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"host peak {max(x['host'] for x in ranks) / MiB:.0f} MiB (max over ranks)",
                         flush=True,
                     )
-        except PhalanxError as err:
-            print(f"large_model_setup: error: {err}", file=sys.stderr)
-            return 2
-        finally:
-            os.chdir(here)
+    except PhalanxError as err:
+        print(f"large_model_setup: error: {err}", file=sys.stderr)
+        return 2
 
     size = layers * LAYER_BYTES
     gpu = torch.cuda.get_device_name(0) if args.cuda else "none (CPU processes on gloo)"
@@ -236,11 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 stats = {"median": statistics.median(values), "min": min(values), "max": max(values)}
                 summary[name][f"{key} {who}"] = {**stats, "runs": values}
-    lines: list[str] = []
-
-    def say(text: str = "") -> None:
-        print(text)
-        lines.extend(text.split("\n"))
+    printed = sections.Printed()  # what is printed from here on, for --out
+    say = printed.say
 
     say(
         f"\nmodel: {layers} x nn.Linear({WIDTH}, {WIDTH}), {size / MiB:.1f} MiB of fp32 weights; one rank's fp32 "
@@ -253,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     say("| " + " | ".join(header) + " |")
     say("| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |")
     for name in CONTENDERS:
-        cells = [_spread(summary[name][f"{m[0]} {who}"]["runs"], m[3]) for m in measures for who in ("rank 0", "max")]
+        cells = [
+            sections.spread(summary[name][f"{m[0]} {who}"]["runs"], m[3]) for m in measures for who in ("rank 0", "max")
+        ]
         for key, *_ in measures:
             mine, base = summary[name][f"{key} max"]["median"], summary[BASE][f"{key} max"]["median"]
             cells.append(f"x{mine / base:.2f}" if base > 0 else "-")
@@ -261,51 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     say("\nratios: medians of the max over ranks, against torch by hand")
     if args.out:
         settings = f"{args.rounds} interleaved rounds; {layers} x nn.Linear({WIDTH}, {WIDTH}), {nprocs} processes, fsdp"
-        _write_section(Path(args.out), lines, summary, argv, gpu, settings)
+        sections.write_section(
+            Path(args.out),
+            "large_model_setup",
+            TITLE,
+            script=__file__,
+            argv=argv,
+            settings=settings,
+            lines=printed.lines,
+            figures=summary,
+            gpu=gpu,
+        )
     return 0
-
-
-def _write_section(out, lines: list[str], summary: dict, argv: list[str] | None, gpu: str, settings: str) -> None:
-    """This benchmark's section of DIR/benchmarks.json and of DIR/benchmarks.md (the others stay)."""
-    import datetime
-    import json
-    import shlex
-
-    from peers import report
-
-    machine = report.machine()
-    machine["gpu"] = gpu
-    section = {
-        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "machine": machine,
-        "command": shlex.join(
-            [".venv/bin/python", "benchmarks/large_model_setup.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "settings": settings,
-        "figures": summary,
-        "lines": "\n".join(lines).strip("\n").split("\n"),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    data_file = out / "benchmarks.json"
-    data = json.loads(data_file.read_text(encoding="utf-8")) if data_file.is_file() else {}
-    data["large_model_setup"] = section
-    data_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    page = out / "benchmarks.md"
-    text = page.read_text(encoding="utf-8") if page.is_file() else report.render(data)
-    heading = [f"- date: {section['date']}", f"- machine: {report.describe_machine(machine)}"]
-    heading += [f"- command: `{section['command']}`", f"- settings: {settings}"]
-    block = "\n".join([TITLE, "", *heading, "", *section["lines"], ""]) + "\n"
-    if TITLE in text:  # replace this section only: notes written by hand into the others stay
-        start = text.index(TITLE)
-        end = text.find("\n## ", start + len(TITLE))
-        text = text[:start] + block + (text[end + 1 :] if end >= 0 else "")
-    elif "\n## How it is measured" in text:
-        at = text.index("\n## How it is measured") + 1
-        text = text[:at] + block + text[at:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    page.write_text(text, encoding="utf-8")
-    print(f"wrote {page}, {data_file}")
 
 
 if __name__ == "__main__":

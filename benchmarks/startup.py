@@ -32,6 +32,7 @@ import sys
 import time
 
 MARKS_ENV = "STARTUP_MARKS"
+TITLE = "## Start-up before the first step: phalanx launch against torchrun, phase by phase"  # as peers/report.py
 STEPS = 5
 BATCH = 32
 
@@ -305,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
     from pathlib import Path
 
+    import sections
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="launches per contender and process count (default 5)")
     parser.add_argument("--nproc-list", default="1,2", help="process counts (default 1,2)")
@@ -318,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120, help="seconds one launch may take")
     parser.add_argument("--json", metavar="FILE", help="also write every launch's marks and the medians here")
     parser.add_argument("--keep", metavar="DIR", help="keep each launch's directory (output, marks, run dir)")
-    parser.add_argument(
-        "--out", metavar="DIR", help="write the figures into DIR/benchmarks.json and DIR/benchmarks.md (e.g. docs)"
-    )
+    sections.add_out_argument(parser)
     args = parser.parse_args(argv)
 
     repo_src = Path(__file__).resolve().parents[1] / "src"
@@ -351,11 +352,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import platform
 
-    lines: list[str] = []  # what is printed from here on, for --out
-
-    def say(text: str) -> None:
-        print(text)
-        lines.extend(text.split("\n"))
+    printed = sections.Printed()  # what is printed from here on, for --out
+    say = printed.say
 
     say(
         f"\nstart-up, {args.rounds} rounds, {time.monotonic() - started:.0f} s in all; {platform.node()}, "
@@ -409,49 +407,13 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"runs": {f"{c} n{n}": v for (c, n), v in runs.items()}, "summary": summary}, indent=1)
         )
     if args.out:
-        _write_section(Path(args.out), lines, argv, args.rounds)
+        settings = (
+            f"{args.rounds} interleaved rounds; 5 optimizer steps of a tiny MLP per launch, CPU processes on gloo"
+        )
+        sections.write_section(
+            Path(args.out), "startup", TITLE, script=__file__, argv=argv, settings=settings, lines=printed.lines
+        )
     return 0
-
-
-def _write_section(out, lines: list[str], argv: list[str] | None, rounds: int) -> None:
-    """The start-up section of DIR/benchmarks.json, and DIR/benchmarks.md rendered again (it keeps
-    compare.py's sections)."""
-    import datetime
-    import json
-    import shlex
-
-    from peers import report
-
-    section = {
-        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "machine": report.machine(),
-        "command": shlex.join([".venv/bin/python", "benchmarks/startup.py", *(sys.argv[1:] if argv is None else argv)]),
-        "settings": f"{rounds} interleaved rounds; 5 optimizer steps of a tiny MLP per launch, CPU processes on gloo",
-        "lines": "\n".join(lines).strip("\n").split("\n"),  # blank lines kept: markdown tables need them
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    data_file = out / "benchmarks.json"
-    data = json.loads(data_file.read_text(encoding="utf-8")) if data_file.is_file() else {}
-    data["startup"] = section
-    data_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    page = out / "benchmarks.md"
-    if not page.is_file():
-        page.write_text(report.render(data), encoding="utf-8")
-    else:  # replace this section only: notes written by hand into the other sections stay
-        text = page.read_text(encoding="utf-8")
-        block = "\n".join(report.startup_section(section)) + "\n"
-        title = block.splitlines()[0]
-        if title in text:
-            start = text.index(title)
-            end = text.find("\n## ", start + len(title))
-            text = text[:start] + block + (text[end + 1 :] if end >= 0 else "")
-        elif "\n## How it is measured" in text:
-            at = text.index("\n## How it is measured") + 1
-            text = text[:at] + block + "\n" + text[at:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block
-        page.write_text(text, encoding="utf-8")
-    print(f"wrote {page}, {data_file}")
 
 
 if __name__ == "__main__":

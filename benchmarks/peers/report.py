@@ -89,6 +89,9 @@ def render(data: dict) -> str:
     if "large_model_setup" in data:  # written by benchmarks/large_model_setup.py
         out += ["## Large-model set-up (issue 12)", ""] + _header(data["large_model_setup"])
         out += data["large_model_setup"]["lines"] + [""]
+    if "noise_overhead" in data:  # written by benchmarks/noise_overhead.py
+        out += ["## Gradient noise scale: overhead (issue 13)", ""] + _header(data["noise_overhead"])
+        out += data["noise_overhead"]["lines"] + [""]
     out += _method()
     return "\n".join(out) + "\n"
 
