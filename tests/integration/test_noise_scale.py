@@ -16,8 +16,22 @@ TIMEOUT = 240
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize(
     "nprocs, strategy, micro, small",
-    [(1, "single", 8, 8), (2, "ddp", 32, 32), (2, "ddp", 8, 8), (2, "zero1", 32, 32), (2, "fsdp", 32, 32), (2, "fsdp", 8, 32)],
-    ids=["single, accumulation", "ddp, comm hook", "ddp, accumulation", "zero1, comm hook", "fsdp", "fsdp, accumulation"],
+    [
+        (1, "single", 8, 8),
+        (2, "ddp", 32, 32),
+        (2, "ddp", 8, 8),
+        (2, "zero1", 32, 32),
+        (2, "fsdp", 32, 32),
+        (2, "fsdp", 8, 32),
+    ],
+    ids=[
+        "single, accumulation",
+        "ddp, comm hook",
+        "ddp, accumulation",
+        "zero1, comm hook",
+        "fsdp",
+        "fsdp, accumulation",
+    ],
 )
 def test_the_noise_scale_matches_its_closed_form(nprocs, strategy, micro, small):
     ranks = phalanx.spawn(noise.estimate, nprocs=nprocs, args=(64, micro, 600, strategy), cpu=True, timeout=TIMEOUT)

@@ -167,7 +167,7 @@ def test_the_memory_cap_refuses_a_whole_model_over_it_at_setup():
     # 16 MiB of weights built whole, under an 8 MiB cap: refused at setup(), naming the fix.
     session = _session("single", memory_cap="8MiB")
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1024))
-    with pytest.raises(torch.OutOfMemoryError, match=r"set-up needs .* session.init_module\(\)"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"set-up needs .* keeps the whole model on every rank: use fsdp"):
         session.setup(model)
     session.close()
 
@@ -200,4 +200,55 @@ def test_activation_checkpointing_does_not_change_the_initial_weights(strategy):
     reference = _reference_weights()
     for key, value in reference.items():
         assert torch.equal(state[key], value), key
+    session.close()
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x)))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_tied_weight_gets_the_same_init_under_every_strategy(strategy):
+    def initial(name):
+        session = _session(name)
+        with session.init_module():
+            model = _TiedLM()
+        model = session.setup(model)
+        state = {k: v.clone() for k, v in session.model_state_dict(model).items()}
+        model(torch.tensor([[1, 2]]))  # nothing left uninitialised
+        session.close()
+        return state
+
+    ref, got = initial("single"), initial(strategy)
+    for key in ref:
+        assert torch.equal(got[key], ref[key]), key
+    assert torch.equal(ref["head.weight"], ref["embed.weight"])
+
+
+def test_a_parameter_keeps_its_class_and_attributes():
+    class Flagged(nn.Parameter):
+        pass
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = Flagged(torch.empty(3))
+            self.w.no_decay = True
+
+        def reset_parameters(self):
+            nn.init.ones_(self.w)
+
+    session = _session("single")
+    with session.init_module():
+        model = Holder()
+    model = session.setup(model)
+    assert type(model.w) is Flagged and model.w.no_decay and torch.equal(model.w, torch.ones(3))
     session.close()

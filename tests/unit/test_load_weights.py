@@ -108,3 +108,39 @@ def test_any_partial_or_reshaped_state_dict_loads_or_is_one_line(keys, rows):
     except PhalanxError as err:
         assert "\n" not in str(err) and "does not match the model" in str(err)
     session.close()
+
+
+def test_a_file_without_the_tied_copy_loads_strictly_and_once():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    session = _session()
+    model = session.setup(Tied())
+    weights = {"embed.weight": torch.arange(40.0).view(10, 4)}  # as Hugging Face files leave the head out
+    session.load_weights(weights)
+    assert torch.equal(model.head.weight, weights["embed.weight"]) and model.head.weight is model.embed.weight
+    session.close()
+
+
+def test_the_uninitialised_guard_is_per_model():
+    from tests.unit.test_deferred_construction import Scale
+
+    session = _session()
+    with session.init_module():
+        deferred = nn.Sequential(nn.Linear(6, 4), Scale(4))
+    teacher = _model()  # built whole: nothing to guard
+    deferred, teacher = session.setup(deferred, teacher)
+    teacher(torch.randn(2, 6))
+    with pytest.raises(PhalanxError, match="Scale"):
+        deferred(torch.randn(2, 6))
+    # A key of the same name loaded into the teacher does not count for the deferred model.
+    session.load_weights(_pretrained(), teacher)
+    with pytest.raises(PhalanxError, match="Scale"):
+        deferred(torch.randn(2, 6))
+    session.load_weights({"0.weight": torch.zeros(4, 6), "0.bias": torch.zeros(4), "1.gain": torch.ones(4)}, deferred)
+    deferred(torch.randn(2, 6))
+    session.close()

@@ -88,8 +88,11 @@ def run_figures(
             f"{name} recorded no samples per step: phalanx knows the global batch only from a training (shuffling) "
             "DataLoader or from batch.global_batch_size; add --set batch.global_batch_size=N"
         )
-    step_time = statistics.median(max(r["step_time"] for r in step) for step in measured)
-    data_wait = statistics.median(max(r["data_wait"] for r in step) for step in measured)
+    # Steps that estimated the noise scale paid for it (phalanx tune --objective time estimates on
+    # every other step): the time figures come from the others where there are any.
+    timed = [step for step in measured if not any(r.get("noise_estimated") for r in step)] or measured
+    step_time = statistics.median(max(r["step_time"] for r in step) for step in timed)
+    data_wait = statistics.median(max(r["data_wait"] for r in step) for step in timed)
     batch = int(statistics.median(step[0]["samples"] for step in measured))
     peaks = [r["peak_mem_bytes"] for step in measured for r in step if r.get("peak_mem_bytes")]
     return RunFigures(

@@ -17,7 +17,7 @@ from phalanx.cli.console import console as make_console
 from phalanx.config.sections import FSDPConfig
 from phalanx.errors import PhalanxError
 from phalanx.plan import count_parameters, load_factory, make_plan, measure_activations
-from phalanx.plan.accounting import SETUP_BYTES, VARIANTS
+from phalanx.plan.accounting import VARIANTS, host_bytes_whole, shards_by_unit
 from phalanx.plan.measure import build, count_shard_units
 from phalanx.plan.report import left_out
 
@@ -233,7 +233,7 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
         if cls.splits_layers:
             needs = "needs an nn.Sequential model; " if cls.needs_sequential else ""
             console.print(f"{cls.name}: {needs}stages assumed balanced (parameters and activations / devices)")
-    sharded = [r for r in plan.rows if _shards_parameters(r.strategy)]
+    sharded = [r for r in plan.rows if shards_by_unit(r.strategy)]
     if sharded:
         name = VARIANTS[sharded[0].strategy].strategy.name
         if plan.fsdp_units is None:
@@ -247,10 +247,9 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
             console.print(
                 f"{name} set-up: largest unit {where}, {units.largest:,} parameters, of {units.count} ({units.rule})"
             )
-    per_process = SETUP_BYTES * plan.n_params
     console.print(
-        f"host memory: whole construction, {plan.devices} processes x {fmt(per_process)} of fp32 weights = "
-        f"{fmt(plan.devices * per_process)}; deferred, only buffers"
+        f"host memory: whole construction, {plan.devices} processes x {fmt(host_bytes_whole(plan.n_params, 1))} "
+        f"of fp32 weights = {fmt(host_bytes_whole(plan.n_params, plan.devices))}; deferred, only buffers"
     )
     if measured_on:
         console.print(
@@ -277,12 +276,6 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
         console.print("phalanx.yaml:\n" + plan.config_lines)
         if plan.script_lines:
             console.print("in the script (deferred construction):\n" + plan.script_lines)
-
-
-def _shards_parameters(strategy: str) -> bool:
-    """Whether the row stores parameters sharded, so its set-up depends on the shard units."""
-    variant = VARIANTS[strategy]
-    return not variant.strategy.splits_layers and (variant.shards.parameters or variant.shards.keeps_gathered)
 
 
 def _gpu_memory() -> float | None:

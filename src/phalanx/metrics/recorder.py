@@ -63,6 +63,7 @@ class StepRecorder:
         self._wait = 0.0
         self._grad_norm: torch.Tensor | None = None
         self.noise_scale: float | None = None  # the latest gradient noise scale (session/noise.py)
+        self.noise_estimated = False  # this step estimated it (its time includes the estimate's)
         self._last_step = 0
         self._watching = False
         self._closed = False
@@ -124,6 +125,7 @@ class StepRecorder:
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "noise_scale": self.noise_scale,
+                    "noise_estimated": self.noise_estimated,
                     "peak_mem_bytes": self._peak_memory(),
                 }
             )

@@ -64,7 +64,8 @@ def summarize(records: dict[int, list[dict[str, Any]]], flops: dict[str, Any] | 
     work = {rank: {r["step"]: r["step_time"] - r.get("sync_time", 0.0) for r in recs} for rank, recs in records.items()}
     straggler = find_straggler(work)
     mfus = [row["mfu"] for row in rows if row["mfu"] is not None]
-    last = records[min(records)][-1]  # rank 0's (the lowest rank's) last step: the estimate is the same on all
+    # The lowest rank's last step that has one: the estimate is the same on every rank.
+    last = next((recs[-1] for _, recs in sorted(records.items()) if recs), {})
     return {
         "world_size": world,
         "steps": max(row["steps"] for row in rows),

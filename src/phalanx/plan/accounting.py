@@ -135,3 +135,15 @@ def setup_peak(
         return SetUp(whole=max(full + shard, load), deferred=max(shard + SETUP_BYTES * unit, load))
     # The whole model on every device, built there directly (deferred) or copied there (whole).
     return SetUp(whole=full, deferred=full)
+
+
+def shards_by_unit(strategy: str) -> bool:
+    """Whether the row stores parameters sharded unit by unit (fsdp), so that its set-up peak
+    depends on the largest shard unit."""
+    variant = VARIANTS[strategy]
+    return not variant.strategy.splits_layers and (variant.shards.parameters or variant.shards.keeps_gathered)
+
+
+def host_bytes_whole(n_params: int, processes: int) -> float:
+    """Host memory of whole construction on one node: every process builds the fp32 model."""
+    return float(processes * SETUP_BYTES * n_params)

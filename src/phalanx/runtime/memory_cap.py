@@ -81,19 +81,21 @@ class MemoryCap:
         """A model reached ``setup()`` with ``nbytes`` of its weights built (in host memory)."""
         self._arrived += nbytes
 
-    def check_setup(self) -> None:
-        """Raise ``torch.OutOfMemoryError`` when the set-up peak (see the module docstring) is over the cap."""
+    def check_setup(self, *, shards_model: bool) -> None:
+        """Raise ``torch.OutOfMemoryError`` when the set-up peak (see the module docstring) is over the
+        cap. ``shards_model``: the strategy divides the weights among the ranks (fsdp, pipeline)."""
         if self.device.type == "cuda":
             return
         added = self.used_bytes() or 0
         if self._arrived + added <= self.cap_bytes:
             return
         mib = lambda n: format_bytes(n, unit="MiB", decimals=1)  # noqa: E731
-        fix = (
-            "build the model under `with session.init_module():` so that only this rank's share is materialised"
-            if self._arrived
-            else "use a strategy that shards the model (fsdp, pipeline), more processes"
-        )
+        if not shards_model:
+            fix = "this strategy keeps the whole model on every rank: use fsdp or pipeline with session.init_module()"
+        elif self._arrived:
+            fix = "build the model under `with session.init_module():` so that only this rank's share is materialised"
+        else:
+            fix = "use more processes"
         raise torch.OutOfMemoryError(
             f"phalanx memory cap: set-up needs {mib(self._arrived + added)} on this rank ({mib(self._arrived)} of "
             f"model weights that arrived built, {mib(added)} added by session.setup()), over train.memory_cap "
@@ -106,7 +108,7 @@ class MemoryCap:
             return torch.cuda.max_memory_reserved(self.device)
         return max(0, _peak_rss() - self._baseline)
 
-    def check(self) -> None:
+    def check(self, fix: str = "lower batch.micro_batch_size or raise the cap") -> None:
         """Raise ``torch.OutOfMemoryError`` when the CPU peak is over the cap (CUDA raises by itself)."""
         if self.device.type == "cuda":
             return
@@ -115,8 +117,7 @@ class MemoryCap:
             raise torch.OutOfMemoryError(
                 "phalanx memory cap: this process's peak resident memory grew by "
                 f"{format_bytes(used, unit='MiB', decimals=1)} since session.setup(), "
-                f"over train.memory_cap {format_bytes(self.cap_bytes, unit='MiB', decimals=1)}; "
-                "lower batch.micro_batch_size or raise the cap"
+                f"over train.memory_cap {format_bytes(self.cap_bytes, unit='MiB', decimals=1)}; {fix}"
             )
 
 

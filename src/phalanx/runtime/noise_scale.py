@@ -96,7 +96,8 @@ def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     40 ms more than a plain one of 50 ms (benchmarks/noise_overhead.py)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack([_norm_sq(t.detach()) for t in tensors]).sum()
+    device = tensors[0].device  # model_parallel: gradients on several GPUs, their sum on the first
+    return torch.stack([_norm_sq(t.detach()).to(device) for t in tensors]).sum()
 
 
 def _norm_sq(tensor: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class NoiseProbe:
         return self.estimate is not None and (step + 1) % self.settings.noise_scale_every == 0
 
     def before_backward(self, step: int, micro: int, accumulation: int, sync: bool) -> None:
-        if sync and self._source == "comm hook" and self.measuring(step):
+        if sync and self._source == "comm hook" and self.measuring(step) and self.strategy.local_norms is not None:
             self.strategy.local_norms.armed = True
 
     def after_backward(self, step: int, micro: int, accumulation: int, sync: bool, scaler: Any) -> None:
@@ -80,18 +80,22 @@ class NoiseProbe:
         if not sync:
             return
         if self._source == "comm hook":
-            local = self.strategy.local_norms.take()
+            norms = self.strategy.local_norms  # None where fsdp found no reduce-scatter to wrap after all
+            local = norms.take() if norms is not None else None
             # DDP's buckets hold the micro-steps' sum (each loss divided by the steps): the mean.
             self._small = local / scale**2 if local is not None else None
         small, self._small = self._small, None
-        if small is None:
-            return  # the hook saw no bucket (no gradient this step)
         big = self.strategy.gradient_sq(self._models) / scale**2
         if self.topology.world_size > 1:
-            small = small.to(self.topology.comm_device)
-            dist.all_reduce(small)  # each rank's small gradient is its own: their mean
-            small = small / self.topology.world_size
-        self.estimate.observe(float(small), float(big))
+            # Each rank's small gradient is its own: their mean, and how many ranks had one, in one
+            # all-reduce that every rank joins (a rank whose hook saw no bucket sends zeros).
+            both = torch.zeros(2, dtype=torch.float64, device=self.topology.comm_device)
+            if small is not None:
+                both[0], both[1] = small.to(both.device), 1.0
+            dist.all_reduce(both)
+            small = both[0] / both[1] if both[1] > 0 else None
+        if small is not None:
+            self.estimate.observe(float(small), float(big))
 
     @property
     def value(self) -> float | None:

@@ -193,7 +193,7 @@ class Session:
         unexpected keys, as ``load_state_dict`` does; shapes must match either way."""
         self.weights.load(model, source, strict=strict)
         if self.memory_cap is not None:
-            self.memory_cap.check()
+            self.memory_cap.check("loading holds one tensor at a time on top of the model: raise the cap")
 
     def setup(self, *objects: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
@@ -224,7 +224,9 @@ class Session:
         self._set_up = True
         self._announce()
         if capped:
-            self.memory_cap.check_setup()
+            kind = type(self.strategy)
+            shards = kind.sharding(self.config.strategy).parameters or kind.splits_layers
+            self.memory_cap.check_setup(shards_model=shards)
             self.memory_cap.start()  # what training adds counts, not what the script loaded before
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -493,6 +495,7 @@ class Session:
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
         self.guards.check_schedulers()
+        self.metrics.noise_estimated = self.noise.measuring(self.state.step)
         if self.config.optim.max_grad_norm is not None and self.gradients.clips_at_step():
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)

@@ -37,14 +37,16 @@ class Weights:
         self.strategy = strategy
         self.topology = topology
         self._models = models  # the Session's list: the models setup() returned
-        self.loaded: set[str] = set()  # names load() filled, over every call
+        self._roots: dict[int, nn.Module] = {}  # a returned model -> the user's model it was set up from
+        self._loaded: dict[int, set[str]] = {}  # a returned model -> the names load() filled in it
         self._classes: dict[str, str] = {}  # module name -> class name, for the uninitialised line
         self._not_initialised: set[str] = set()  # modules built under init_module(initialize=False)
 
     def watch(self, wrapped: nn.Module, model: nn.Module) -> None:
         """After ``setup()`` of a deferred ``model``: its first forward is refused while modules
         without ``reset_parameters()`` hold uninitialised weights that no load filled."""
-        if not self.strategy.uninitialised():
+        self._roots[id(wrapped)] = model
+        if not self.strategy.uninitialised(model):
             return
         modules = {name or "(the model)": m for name, m in model.named_modules()}
         self._classes.update({name: type(m).__name__ for name, m in modules.items()})
@@ -52,43 +54,45 @@ class Weights:
         handle = None
 
         def refuse(*_: Any) -> None:
-            pending = self.pending()
+            pending = self.pending(wrapped)
             if pending:
-                raise PhalanxError(uninitialised_message(pending, self._classes, self._skipped(pending)))
+                skipped = any(name in self._not_initialised for name in pending)
+                raise PhalanxError(uninitialised_message(pending, self._classes, skipped))
             handle.remove()
 
         handle = wrapped.register_forward_pre_hook(refuse)
 
-    def _skipped(self, pending: dict[str, list[str]]) -> bool:
-        return any(name in self._not_initialised for name in pending)
-
-    def pending(self) -> dict[str, list[str]]:
-        """Modules whose uninitialised tensors are not all loaded yet."""
-        return {m: names for m, names in self.strategy.uninitialised().items() if not set(names) <= self.loaded}
+    def pending(self, wrapped: nn.Module) -> dict[str, list[str]]:
+        """Modules of a returned model whose uninitialised tensors are not all loaded yet."""
+        loaded = self._loaded.get(id(wrapped), set())
+        uninitialised = self.strategy.uninitialised(self._roots.get(id(wrapped), wrapped))
+        return {m: names for m, names in uninitialised.items() if not set(names) <= loaded}
 
     def load(self, model: nn.Module | None, source: Any, *, strict: bool = True) -> None:
         model = self._target(model)
-        slots = self.strategy.weight_slots(model)
+        groups = _aliases(self.strategy.weight_slots(model))
         main, alone = self.topology.rank == 0, self.topology.world_size == 1
         reader, verdict, index = None, None, None
         if main:
             try:
                 reader = _open(source)
                 index = reader.index()
-                verdict = _mismatch(index, slots, strict, _name(source))
+                verdict = _mismatch(index, groups, strict, _name(source))
             except PhalanxError as err:
                 verdict = str(err)
         if not alone:
             box = [verdict, index]
             dist.broadcast_object_list(box, src=0)
             verdict, index = box
+        loaded = self._loaded.setdefault(id(model), set())
         try:
             if verdict:
                 raise PhalanxError(verdict)
-            for name, slot in slots.items():
-                if name in index:
-                    self._transfer(name, slot, index[name], reader, alone)
-                    self.loaded.add(name)
+            for names, slot in groups:
+                present = next((n for n in names if n in index), None)
+                if present is not None:  # a tied weight is read once, under the first of its names the file has
+                    self._transfer(present, slot, index[present], reader, alone)
+                    loaded.update(names)
         finally:
             if reader is not None:
                 reader.close()
@@ -178,28 +182,42 @@ class _StateDict:
         pass
 
 
-def _mismatch(index: dict, slots: dict[str, torch.Tensor], strict: bool, source: str) -> str | None:
-    """What keeps ``index`` (name -> (shape, dtype)) from loading into ``slots``; None when it loads."""
+def _aliases(slots: dict[str, torch.Tensor]) -> list[tuple[list[str], torch.Tensor]]:
+    """The state dict's names grouped by tensor: a tied weight (an embedding and the output layer
+    that shares it) is one tensor under several names, of which a file may hold any one (Hugging
+    Face files leave the output layer's out)."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, slot in slots.items():
+        key = id(slot) if not slot.is_meta else id(name)  # other stages' placeholders are all distinct
+        groups.setdefault(key, ([], slot))[0].append(name)
+    return list(groups.values())
+
+
+def _mismatch(index: dict, groups: list[tuple[list[str], torch.Tensor]], strict: bool, source: str) -> str | None:
+    """What keeps ``index`` (name -> (shape, dtype)) from loading into ``groups`` (see _aliases);
+    None when it loads."""
     problems = []
+    present = [(n, slot) for names, slot in groups for n in names if n in index]
     if strict:
-        missing = [k for k in slots if k not in index]
-        unexpected = [k for k in index if k not in slots]
+        known = {n for names, _ in groups for n in names}
+        missing = [names[0] for names, _ in groups if not any(n in index for n in names)]
+        unexpected = [k for k in index if k not in known]
         if missing:
             problems.append(f"{plural(len(missing), 'key')} of the model missing ({_some(missing)})")
         if unexpected:
             problems.append(f"{plural(len(unexpected), 'key')} the model does not have ({_some(unexpected)})")
-    shapes = [k for k in slots if k in index and tuple(index[k][0]) != tuple(slots[k].shape)]
+    shapes = [(k, slot) for k, slot in present if tuple(index[k][0]) != tuple(slot.shape)]
     if shapes:
         shown = "; ".join(
-            f"{k} is {_shape(index[k][0])} in the file, {_shape(slots[k].shape)} in the model" for k in shapes[:_SHOWN]
+            f"{k} is {_shape(index[k][0])} in the file, {_shape(s.shape)} in the model" for k, s in shapes[:_SHOWN]
         )
         more = f" and {len(shapes) - _SHOWN} more" if len(shapes) > _SHOWN else ""
         problems.append(f"shapes differ: {shown}{more}")
-    kinds = [k for k in slots if k in index and _kind(index[k][1]) != _kind(slots[k].dtype)]
+    kinds = [(k, slot) for k, slot in present if _kind(index[k][1]) != _kind(slot.dtype)]
     if kinds:
-        k = kinds[0]
+        k, slot = kinds[0]
         problems.append(
-            f"{plural(len(kinds), 'tensor')} of another kind ({k} is {index[k][1]} in the file, {slots[k].dtype} "
+            f"{plural(len(kinds), 'tensor')} of another kind ({k} is {index[k][1]} in the file, {slot.dtype} "
             "in the model)"
         )
     if not problems:

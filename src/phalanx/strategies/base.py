@@ -188,10 +188,10 @@ class Strategy:
         )
         return self._materializers[-1]
 
-    def uninitialised(self) -> dict[str, list[str]]:
-        """Modules of deferred models left without initial weights (no reset_parameters()): module
-        name -> its tensors' names. session.load_weights() fills them."""
-        return {name: names for m in self._materializers for name, names in m.uninitialised.items()}
+    def uninitialised(self, model: nn.Module) -> dict[str, list[str]]:
+        """Modules of the deferred ``model`` (the user's, as given to setup()) left without initial
+        weights (no reset_parameters()): module name -> its tensors' names. load_weights fills them."""
+        return next((dict(m.uninitialised) for m in self._materializers if m.root is model), {})
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model

@@ -49,7 +49,10 @@ def empty_parameters(uninitialised: weakref.WeakSet | None = None) -> Iterator[N
         if param is not None and not param.is_meta:
             # The tensor was allocated but never written (torch.empty) or is a small init value:
             # its pages go back at once, and the module's own init ran on meta (a no-op).
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__class__ = type(param)  # a Parameter subclass stays one, with its attributes
+            meta.__dict__.update(param.__dict__)
+            param = meta
         original(module, name, param)
 
     nn.Module.register_parameter = register
@@ -97,9 +100,13 @@ class Materializer:
 
     def materialize(self, module: nn.Module, device: torch.device) -> None:
         """Give every still-meta tensor of ``module`` and its submodules memory on ``device`` and
-        initialise it; tensors that exist already are left where they are."""
-        for sub in post_order(module):  # children first, so a parent's init sees initialised children
-            self.materialize_own(sub, device)
+        initialise it; tensors that exist already are moved there."""
+        # One fork for the whole pass, over every GPU (a module's seed reaches all of them), so the
+        # training's own generators are as they were before set-up.
+        devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for sub in post_order(module):  # children first, so a parent's init sees initialised children
+                self.materialize_own(sub, device)
 
     def materialize_own(self, module: nn.Module, device: torch.device) -> None:
         """The same for ``module``'s own tensors only; a module is handled once (a unit sharded
@@ -109,17 +116,21 @@ class Materializer:
             self._one(module, device)
 
     def _one(self, module: nn.Module, device: torch.device) -> None:
-        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        empty = [n for n, t in tensors if t.is_meta]
-        for name, tensor in tensors:
+        empty = []  # this module's tensors that get memory here, and so need initial values
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             tied = self._replaced.get(id(tensor), (None, lambda: None))[1]()
-            if tied is not None:  # a weight tied to one materialised already
+            if tied is not None:  # a weight tied to one materialised (and initialised) already
                 setattr(module, name, tied)
-            elif tensor.is_meta or tensor.device != device:
+            elif not tensor.is_meta:
+                if tensor.device != device:  # built for real: moved as .to() moves it, same object
+                    with torch.no_grad():
+                        tensor.data = tensor.data.to(device)
+            else:
+                empty.append(name)
+                new = _on(tensor, device)
                 if self.in_place:
-                    torch.utils.swap_tensors(tensor, _on(tensor, device))  # keeps the Python object
+                    _swap(tensor, new, self.names.get(id(module), ""), name)  # keeps the Python object
                 else:
-                    new = _on(tensor, device)
                     self._replaced[id(tensor)] = (tensor, weakref.ref(new))
                     setattr(module, name, new)
         if not empty:
@@ -129,10 +140,8 @@ class Materializer:
         if init is None:
             self.uninitialised[name or "(the model)"] = [f"{name}.{n}" if name else n for n in empty]
             return
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self._seed_of(name))
-            init()
+        torch.manual_seed(self._seed_of(name))
+        init()
 
     def _seed_of(self, name: str) -> int:
         # A stable hash (not Python's, which is salted per process) of the module's name.
@@ -140,8 +149,25 @@ class Materializer:
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    moved = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.detach().to(device)
-    return nn.Parameter(moved, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
+    """Memory on ``device`` for the meta ``tensor``, of its class and with its attributes (a
+    Parameter subclass, flags set on a parameter in ``__init__``)."""
+    new = torch.empty_like(tensor, device=device)
+    if isinstance(tensor, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+        new.__class__ = type(tensor)
+    new.__dict__.update(tensor.__dict__)
+    return new
+
+
+def _swap(tensor: torch.Tensor, new: torch.Tensor, module: str, name: str) -> None:
+    try:
+        torch.utils.swap_tensors(tensor, new)
+    except RuntimeError as err:  # a weak reference to the tensor, say: torch cannot swap it
+        where = f"{module}.{name}" if module else name
+        raise PhalanxError(
+            f"cannot materialise {where} built under session.init_module() ({str(err).splitlines()[0]}); "
+            "build the model outside init_module(), or drop what holds on to the parameter"
+        ) from None
 
 
 def uninitialised_message(modules: dict[str, list[str]], classes: dict[str, str], skipped: bool) -> str:

@@ -170,8 +170,9 @@ class FSDP(Strategy):
 
         if not isinstance(slot, DTensor):
             return super().put_weight(slot, value)
-        # Every rank has the full tensor: its shard is cut locally, with the sharding's own rule.
-        value = value.to(device=slot.device, dtype=slot.dtype)
+        # Every rank has the full tensor: its shard is cut locally, with the sharding's own rule,
+        # and cast as it is copied in (a cast of the whole tensor would be a second full copy).
+        value = value.to(device=slot.device)
         share = distribute_tensor(value, slot.device_mesh, slot.placements, src_data_rank=None).to_local()
         with torch.no_grad():
             slot.to_local().copy_(share)

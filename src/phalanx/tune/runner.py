@@ -117,8 +117,9 @@ class _Tuner:
             *quiet_overrides(self.base.config, self.directory),
             "train.tensorboard=false",
             "launch.max_restarts=0",  # an out-of-memory trial must end, not resume
-            # A trial is short: every step estimates the noise scale (about one pass over the gradients).
-            *(("train.noise_scale=true", "train.noise_scale_every=1") if options.objective == "time" else ()),
+            # A trial is short: every other step estimates the noise scale, and the steps in between
+            # give the trial's samples/s (an estimate's cost would favour large batches).
+            *(("train.noise_scale=true", "train.noise_scale_every=2") if options.objective == "time" else ()),
         )
         self.trials: list[Trial] = []
         self._by_settings: dict[Settings, Trial] = {}

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from phalanx.runtime.noise_scale import efficiency
+
 # A change must measure at least this much faster than the value it replaces: on a shared machine,
 # trial-to-trial noise of a few per cent would otherwise decide.
 MIN_GAIN = 0.03
@@ -105,16 +107,11 @@ def global_batch_for(micro: int, global_batch: int, data_parallel: int) -> int:
 
 
 # -- time to a target -----------------------------------------------------------------------------
-def efficiency(global_batch: int, noise_scale: float) -> float:
-    """The work one sample does at ``global_batch`` against a tiny batch, 1 / (1 + B / B_noise)
-    (McCandlish et al. 2018: reaching a loss takes E_min (1 + B / B_noise) samples)."""
-    return 1.0 / (1.0 + global_batch / noise_scale)
-
-
 def predicted_time_ratio(candidate: Measured, reference: Measured, noise_scale: float) -> float:
     """Time to the same quality at ``candidate``'s settings over that at ``reference``'s: the
     inverse ratio of their goodputs."""
-    return reference.goodput(noise_scale) / candidate.goodput(noise_scale)
+    good = candidate.goodput(noise_scale)
+    return reference.goodput(noise_scale) / good if good else float("inf")
 
 
 def fastest_to_target(
