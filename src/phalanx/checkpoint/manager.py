@@ -159,6 +159,7 @@ class Checkpointer:
                     "data": trainer["data"],
                     "rng": mine,
                     "noise_scale": _noise_state(trainer.get("noise_scale")),
+                    "adaptive_batch": _adaptive_state(trainer.get("adaptive_batch"), directory / TRAINER),
                 }
             )
         return manifest
@@ -430,3 +431,24 @@ def _noise_state(value: Any) -> dict[str, Any] | None:
     if isinstance(value, dict) and all(isinstance(value.get(k), (int, float)) for k in keys):
         return value
     return None
+
+
+def _adaptive_state(value: Any, path: Path) -> dict[str, Any] | None:
+    """batch.adaptive's choices in a checkpoint. Unlike the noise scale's statistics they decide
+    the batches that follow, so a damaged entry is refused rather than started afresh."""
+    if value is None:
+        return None
+    ok = (
+        isinstance(value, dict)
+        and isinstance(value.get("k"), int)
+        and value["k"] > 0
+        and isinstance(value.get("gain"), (int, float))
+        and isinstance(value.get("history"), list)
+        and (value.get("model") is None or isinstance(value.get("model"), (list, tuple)))
+    )
+    if not ok:
+        raise PhalanxError(
+            f"checkpoint file '{path}' holds a damaged batch.adaptive state ({type(value).__name__}); "
+            "use an earlier checkpoint"
+        )
+    return value

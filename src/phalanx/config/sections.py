@@ -193,6 +193,31 @@ class BatchConfig(Section):
             "and tune trials that would change its global batch or micro batch (see docs/data.md)"
         ),
     )
+    adaptive: Optional[Literal["goodput"]] = Field(
+        None,
+        description=(
+            "re-choose the global batch during training for goodput, from the gradient noise scale and the "
+            "step times: goodput (accumulation steps change, the micro-batch stays; docs/goodput.md); null: off"
+        ),
+    )
+    adapt_every: int = Field(50, gt=0, description="optimizer steps between two choices of batch.adaptive")
+    adaptive_max_global_batch: Optional[int] = Field(
+        None, gt=0, description="largest global batch batch.adaptive may choose (null: 8 times the starting one)"
+    )
+    adaptive_step_times: Optional[list[float]] = Field(
+        None,
+        description=(
+            "[seconds per micro-step, fixed seconds per optimizer step]: batch.adaptive's throughput model, given "
+            "instead of fitted to the run's step times, so its choices are reproducible (null: fitted)"
+        ),
+    )
+
+    @field_validator("adaptive_step_times")
+    @classmethod
+    def _two_times(cls, value):
+        if value is not None and (len(value) != 2 or value[0] <= 0 or value[1] < 0):
+            raise ValueError("adaptive_step_times must be [seconds per micro-step > 0, fixed seconds per step >= 0]")
+        return value
 
 
 class OptimConfig(Section):

@@ -64,6 +64,7 @@ class StepRecorder:
         self._grad_norm: torch.Tensor | None = None
         self.noise_scale: float | None = None  # the latest gradient noise scale (session/noise.py)
         self.noise_estimated = False  # this step estimated it (its time includes the estimate's)
+        self.last_times: tuple[float, float] | None = None  # the last step's time and its synchronising part
         self._last_step = 0
         self._watching = False
         self._closed = False
@@ -108,8 +109,9 @@ class StepRecorder:
         grad_norm, self._grad_norm = self._grad_norm, None
         if not stepped:
             return
+        step_time = now - (self._step_start if self._step_start is not None else self._created)
+        self.last_times = (step_time, now - sync_start if sync_start is not None else 0.0)
         if self.enabled:
-            step_time = now - (self._step_start if self._step_start is not None else self._created)
             self._pending.append(
                 {
                     "rank": self.rank,

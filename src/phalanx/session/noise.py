@@ -60,6 +60,14 @@ class NoiseProbe:
             self.estimate.load_state_dict(self._pending)
             self._pending = None
 
+    def resize(self, batch: BatchPlan) -> None:
+        """The global batch changed (batch.adaptive): the same estimate goes on at the new sizes."""
+        if self.estimate is None:
+            return
+        self.estimate.big = batch.global_batch_size
+        if self._source == "comm hook":
+            self.estimate.small = batch.global_batch_size // self.strategy.data_parallel_size
+
     def measuring(self, step: int) -> bool:
         """Whether the optimizer step after ``step`` steps estimates."""
         return self.estimate is not None and (step + 1) % self.settings.noise_scale_every == 0

@@ -48,6 +48,8 @@ from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
 from phalanx.runtime.shares import shard_tensors
 from phalanx.session import collectives
+from phalanx.session.adaptive import AdaptiveBatch, is_adam
+from phalanx.session.adaptive import check as check_adaptive
 from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.guards import PortingGuards
 from phalanx.session.layout import LayoutLock
@@ -110,6 +112,11 @@ class Session:
         self.weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
         self.noise = NoiseProbe(config, self.strategy, self.topology, self._models)  # the gradient noise scale
         self.state.noise = self.noise
+        check_adaptive(config)
+        self.adaptive = AdaptiveBatch(config, self.topology) if config.batch.adaptive else None
+        if self.adaptive is not None:
+            self.adaptive.on_change = self._apply_adaptive
+        self.state.adaptive = self.adaptive
         self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
@@ -310,6 +317,8 @@ class Session:
                     "optim.lr_scaling needs optim.reference_batch_size (the batch size your lr was tuned for)"
                 )
             reference = self.batch.global_batch_size
+        if self.adaptive is not None:
+            self.batch = self.adaptive.plan(self.batch)
         self.noise.plan(self.batch)
         self.lr_scaling = LRScaling(
             cfg.optim.lr_scaling,
@@ -495,11 +504,11 @@ class Session:
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
         self.guards.check_schedulers()
-        self.metrics.noise_estimated = self.noise.measuring(self.state.step)
+        estimated = self.metrics.noise_estimated = self.noise.measuring(self.state.step)
         if self.config.optim.max_grad_norm is not None and self.gradients.clips_at_step():
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
-        multiplier = self.lr_multiplier
+        multiplier = self.lr_multiplier * (self.adaptive.gain if self.adaptive is not None else 1.0)
         base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
         self.guards.in_step = True
         try:
@@ -524,8 +533,11 @@ class Session:
                     warnings.filterwarnings(
                         "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
                     )
-                    for sched, _ in self.guards.schedulers:
-                        sched.step()
+                    # Under batch.adaptive a step of k times the starting batch is k of its steps
+                    # for the schedule, which so keeps its meaning in samples seen.
+                    for _ in range(self.adaptive.k if self.adaptive is not None else 1):
+                        for sched, _ in self.guards.schedulers:
+                            sched.step()
                 self.guards.mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -541,7 +553,17 @@ class Session:
             self._unscaled = False
         if self.memory_cap is not None:
             self.memory_cap.check()  # the optimizer's state appears at its first step
+        if self.adaptive is not None and self.metrics.last_times is not None and stepped:
+            self.adaptive.note(*self.metrics.last_times, estimated)
+            if self.adaptive.decide(self.state.step, self.noise.value, is_adam(self._optimizers)):
+                self._apply_adaptive()
         self.recovery.after_step()
+
+    def _apply_adaptive(self) -> None:
+        """batch.adaptive chose another multiple of the starting batch (or a resume restored one)."""
+        self.batch = self.adaptive.current()
+        self.noise.resize(self.batch)
+        self.print(f"phalanx: batch.adaptive: {self.batch.describe()} from step {self.state.step}")
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not

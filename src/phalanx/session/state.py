@@ -33,6 +33,7 @@ class TrainState:
         self.loaders: list[Resumable] = []  # training loaders, in set-up order
         self._pending_rng: dict[str, Any] | None = None  # restored when the next training pass starts
         self.noise: Any = None  # the noise-scale estimate (session/noise.py): its moving averages resume too
+        self.adaptive: Any = None  # batch.adaptive's choices (session/adaptive.py)
 
     def add_loader(self, loader: Resumable) -> None:
         self.loaders.append(loader)
@@ -45,6 +46,8 @@ class TrainState:
         state = {"step": self.step, "epoch": self.epoch, "data": self.positions(), "rng": rng.capture(self.device)}
         if self.noise is not None:
             state["noise_scale"] = self.noise.state_dict()
+        if self.adaptive is not None:
+            state["adaptive_batch"] = self.adaptive.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -59,6 +62,8 @@ class TrainState:
         self._pending_rng = state.get("rng")
         if self.noise is not None:
             self.noise.load_state_dict(state.get("noise_scale"))
+        if self.adaptive is not None:
+            self.adaptive.load_state_dict(state.get("adaptive_batch"))
         if not self.loaders:
             self.restore_rng()
 

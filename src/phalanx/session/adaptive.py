@@ -1,0 +1,166 @@
+"""``batch.adaptive: goodput``: the global batch re-chosen during training for goodput (Pollux,
+OSDI 2021), from the gradient noise scale and the run's own step times.
+
+Every ``batch.adapt_every`` optimizer steps the ranks agree on a multiple k of the starting global
+batch G0 (k = 1, 2, 4, ... up to ``batch.adaptive_max_global_batch``): the micro-batch stays (so
+does the memory a step needs), and the accumulation steps become k times the starting ones. The
+choice maximises throughput(k) x efficiency(k G0), with efficiency(B) = 1 / (1 + B / B_noise) and
+throughput from a model of the step, k a0 micro-steps of t_micro each plus a fixed t_step, fitted to
+the run's step times at the first decision and kept from then on (so that a resumed run decides as
+the uninterrupted one did: its timing is not the same). The learning rate is multiplied by the
+AdaScale gain (Johnson et al. 2020) for SGD-family optimizers, r = (1 + B_noise/G0) / (1 + B_noise/G),
+and by its square root for Adam-family ones; the user's schedulers step k times per optimizer step,
+so a schedule keeps its meaning in samples seen. The choices are part of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.config.batch import BatchPlan
+from phalanx.config.schema import Config
+from phalanx.errors import ConfigError
+from phalanx.runtime.noise_scale import efficiency
+from phalanx.topology import Topology
+
+MIN_GAIN = 0.03  # a change must promise this much more goodput, or the batch stays
+
+
+def goodput(k: int, base: BatchPlan, noise_scale: float, t_micro: float, t_step: float) -> float:
+    """Predicted samples/s at multiple ``k`` of the starting plan, times their efficiency."""
+    seconds = k * base.accumulation_steps * t_micro + t_step
+    return k * base.global_batch_size / seconds * efficiency(k * base.global_batch_size, noise_scale)
+
+
+def choose(
+    current: int, candidates: Iterable[int], base: BatchPlan, noise_scale: float, t_micro: float, t_step: float
+) -> int:
+    """The multiple of the highest predicted goodput; the current one unless another beats it by MIN_GAIN."""
+    scored = {k: goodput(k, base, noise_scale, t_micro, t_step) for k in candidates}
+    best = max(scored, key=scored.get)
+    return best if scored[best] > scored.get(current, 0.0) * (1 + MIN_GAIN) else current
+
+
+def lr_gain(k: int, base: BatchPlan, noise_scale: float | None, adam: bool) -> float:
+    """What the learning rate is multiplied by at ``k`` G0 (AdaScale's gain; its root for Adam)."""
+    if k == 1 or noise_scale is None:
+        return 1.0
+    g0 = base.global_batch_size
+    gain = (1 + noise_scale / g0) / (1 + noise_scale / (k * g0))
+    return math.sqrt(gain) if adam else gain
+
+
+class AdaptiveBatch:
+    def __init__(self, config: Config, topology: Topology):
+        self.settings = config.batch
+        self.topology = topology
+        self.base: BatchPlan | None = None  # the plan training started with
+        self.k = 1
+        self.gain = 1.0
+        given = config.batch.adaptive_step_times
+        # (t_micro, t_step): given, or fitted to the step times at the first decision
+        self.model: tuple[float, float] | None = tuple(given) if given else None
+        self.history: list[tuple[int, int]] = []  # (optimizer step, k) at every change
+        self.on_change = None  # the Session's: apply the plan now in effect (also after a resume)
+        self._times: deque[tuple[float, float, bool]] = deque(maxlen=config.batch.adapt_every)
+
+    def note(self, step_time: float, sync_time: float, estimated: bool) -> None:
+        """One optimizer step's time and its synchronising part (for the throughput model)."""
+        self._times.append((step_time, sync_time, estimated))
+
+    def plan(self, batch: BatchPlan) -> BatchPlan:
+        """The starting plan is known; returns the plan in effect (a resumed run's own k)."""
+        if self.base is None or self.base != batch:
+            self.base = batch
+        return self.current()
+
+    def current(self) -> BatchPlan:
+        b, k = self.base, self.k
+        return replace(b, accumulation_steps=b.accumulation_steps * k, global_batch_size=b.global_batch_size * k)
+
+    def candidates(self) -> list[int]:
+        most = self.settings.adaptive_max_global_batch or 8 * self.base.global_batch_size
+        out, k = [], 1
+        while k * self.base.global_batch_size <= most:
+            out.append(k)
+            k *= 2
+        return out
+
+    def decide(self, step: int, noise_scale: float | None, adam: bool) -> bool:
+        """At the end of optimizer step ``step``: re-choose k every adapt_every steps. Returns whether
+        it changed. Rank 0 decides (its step times are its own), every rank takes its choice."""
+        if step % self.settings.adapt_every or noise_scale is None:
+            return False
+        choice = self.k
+        if self.topology.rank == 0:
+            if self.model is None:
+                self.model = _fit(list(self._times), self.base.accumulation_steps * self.k)
+            if self.model is not None:
+                choice = choose(self.k, self.candidates(), self.base, noise_scale, *self.model)
+        if self.topology.world_size > 1:
+            box = [choice, self.model]
+            dist.broadcast_object_list(box, src=0)
+            choice, self.model = box
+        changed = choice != self.k
+        self.k = choice
+        self.gain = lr_gain(self.k, self.base, noise_scale, adam)
+        if changed:
+            self.history.append((step, self.k))
+        return changed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"k": self.k, "gain": self.gain, "model": self.model, "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self.k, self.gain = int(state["k"]), float(state["gain"])
+        self.model = tuple(state["model"]) if state["model"] is not None else None
+        self.history = [tuple(h) for h in state["history"]]
+        if self.on_change is not None and self.base is not None:
+            self.on_change()
+
+
+def _fit(times: list[tuple[float, float, bool]], accumulation: int) -> tuple[float, float] | None:
+    """(t_micro, t_step) from the recent steps' (step time, synchronising time, estimated) at
+    ``accumulation`` micro-steps: the part before the synchronising micro-step is accumulation - 1
+    micro-steps; the synchronising one, its all-reduce and the optimizer step are the rest."""
+    steps = [t for t in times if not t[2]] or times
+    if len(steps) < 2:
+        return None
+    step_time = statistics.median(t[0] for t in steps)
+    sync = min(statistics.median(t[1] for t in steps), step_time)
+    if accumulation > 1:
+        t_micro = (step_time - sync) / (accumulation - 1)
+    else:
+        t_micro = step_time - sync  # the forward alone: a lower bound of a micro-step
+    t_micro = max(t_micro, 1e-9)
+    return t_micro, max(step_time - accumulation * t_micro, 0.0)
+
+
+def check(config: Config) -> None:
+    """Refuse adaptive settings that cannot work, before training."""
+    b = config.batch
+    if b.adaptive is None:
+        return
+    if b.fixed_layout:
+        raise ConfigError(
+            "batch.adaptive changes the global batch during training, which batch.fixed_layout forbids; "
+            "set one of them off"
+        )
+    if not config.train.noise_scale:
+        raise ConfigError("batch.adaptive needs the gradient noise scale: set train.noise_scale: true")
+
+
+def is_adam(optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Adam-family optimizers keep moment estimates (``betas``); their steps do not scale with lr
+    as SGD's do."""
+    return any("betas" in group for opt in optimizers for group in opt.param_groups)
