@@ -284,7 +284,10 @@ class Strategy:
         connections down while another still uses them (only on a clean exit: after an error the
         other ranks may never arrive)."""
         if self._owns_process_group and dist.is_initialized():
-            if sync and self.topology.world_size > 1:
+            if sync:
+                # Alone too: the barrier waits for the group's queued work (a DDP bucket's last
+                # all-reduce), whose release in a gloo thread needs the GIL; a model collected
+                # later, while that thread still held it, deadlocked tearing the group down.
                 dist.barrier()
             dist.destroy_process_group()
         self._owns_process_group = False
