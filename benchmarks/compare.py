@@ -6,15 +6,20 @@ process, under each contender, on 1 and 2 processes; launches alternate between 
 each figure is the median of the repeats, with its ratio to raw DDP in the same run, scaling
 efficiency and the final held-out loss.
 
-Time to target (--time-to-target): how long the raw loop at naive settings and phalanx with its
-throughput preset (and `phalanx tune`'s config, --tuned-config) take to reach a held-out accuracy
-on the digits demo and on the MLP with teacher labels.
+Time to target (--time-to-target): how long each contender takes to reach a held-out accuracy on
+the digits demo, the MLP with teacher labels and the small GPT on Markov tokens (next-token
+accuracy), from one invocation: the raw loop at naive settings (micro-batch per process, the task's
+learning rate unscaled), phalanx defaults, phalanx with the config `phalanx tune` wrote for
+throughput (--tuned-config) and with the one `phalanx tune --objective time` wrote (--time-config),
+and phalanx defaults with `batch.adaptive: goodput`. Each config file is its contender's alone, one
+FILE for every task or task=FILE pairs; a contender whose option is not given is skipped. The
+readings say each phalanx contender's ratio to the raw loop and whether issue 13's targets are met.
 
 Both write DIR/benchmarks.json, DIR/benchmarks.md and a chart under DIR/images (default DIR:
 docs). Accelerate and Fabric are benchmark-only dependencies: pip install -e '.[peers]'.
 
     .venv/bin/python benchmarks/compare.py                      # full throughput run, ~10 min on a quiet 2-core machine
-    .venv/bin/python benchmarks/compare.py --time-to-target     # about 10 min
+    .venv/bin/python benchmarks/compare.py --time-to-target --tuned-config T.yaml --time-config G.yaml  # ~30 min
     .venv/bin/python benchmarks/compare.py --quick --out /tmp/cmp   # smoke run, a few minutes
 """
 
@@ -35,7 +40,8 @@ from peers.targets import TASKS
 from peers.workloads import WORKLOADS
 
 THROUGHPUT_CONTENDERS = "raw,phalanx,phalanx-preset,accelerate,fabric"
-TARGET_CONTENDERS = "raw,phalanx-preset"
+TARGET_CONTENDERS = "raw,phalanx,phalanx-tuned,phalanx-time,phalanx-adaptive"
+CONFIG_OPTIONS = ("--tuned-config", "--time-config")  # the contenders' own config files (driver.Contender)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,12 +77,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tuned-config",
         default=None,
-        help="time to target: a phalanx config file (e.g. from `phalanx tune`) for the phalanx contenders",
+        metavar="FILE|TASK=FILE,...",
+        help="the phalanx-tuned contender's config (from `phalanx tune`): one file for every task, or one per task "
+        "(time to target), e.g. digits=d.yaml,teacher=t.yaml,gpt=g.yaml; without it phalanx-tuned is skipped",
+    )
+    parser.add_argument(
+        "--time-config",
+        default=None,
+        metavar="FILE|TASK=FILE,...",
+        help="the phalanx-time contender's config (from `phalanx tune --objective time`), as --tuned-config",
     )
     parser.add_argument(
         "--targets",
         default=None,
-        help="time to target: accuracies per task, e.g. digits=0.98,teacher=0.72 (default: each task's own)",
+        help="time to target: accuracies per task, e.g. digits=0.98,teacher=0.72,gpt=0.27 (default: each task's own)",
     )
     parser.add_argument(
         "--max-seconds",
@@ -126,7 +140,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--targets names an unknown task; choose from {', '.join(TASKS)}")
     if target and "raw" not in args.contenders:
         parser.error("time to target compares against the raw loop: keep raw in --contenders")
+    args.files = {}
+    for option in CONFIG_OPTIONS:
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value:
+            args.files[option] = config_files(value, option, args.tasks if target else None, parser.error)
+    args.contenders, args.skipped = runnable(args.contenders, args.files)
     return args
+
+
+def config_files(value: str, option: str, tasks: list[str] | None, error) -> dict[str | None, str]:
+    """``FILE`` (every task: {None: FILE}) or ``task=FILE,...`` ({task: FILE}), which must name a
+    file for every task run; ``tasks`` None: the throughput mode, which takes one file."""
+    items = value.split(",")
+    pairs = [item.split("=", 1) for item in items]
+    if not all(len(pair) == 2 and pair[0] in TASKS for pair in pairs):
+        return {None: value}
+    if tasks is None:
+        error(f"{option} {value}: one config file per task is for --time-to-target; give one FILE")
+    files = dict(pairs)
+    missing = [task for task in tasks if task not in files]
+    if missing:
+        error(f"{option} names no file for {', '.join(missing)}; give task=FILE for each task run, or one FILE for all")
+    return files
+
+
+def runnable(contenders: list[str], files: dict) -> tuple[list[str], list[str]]:
+    """The contenders that can run, and one line for each one skipped because its config option
+    (e.g. --time-config) was not given: not a failure, a contender not asked for."""
+    kept, skipped = [], []
+    for name in contenders:
+        option = CONTENDERS[name].config_option
+        if option is not None and option not in files:
+            skipped.append(f"{name}: skipped, no {option} given")
+        else:
+            kept.append(name)
+    return kept, skipped
 
 
 def rotated(items: list[str], k: int) -> list[str]:
@@ -135,21 +184,21 @@ def rotated(items: list[str], k: int) -> list[str]:
     return items[k:] + items[:k]
 
 
-def run_all(
-    args: argparse.Namespace, scratch: Path, worker_args, tuned: str | None = None
-) -> tuple[list[Outcome], list[str]]:
+def run_all(args: argparse.Namespace, scratch: Path, worker_args) -> tuple[list[Outcome], list[str]]:
     """Every launch, in order; returns the outcomes and one line per failure."""
     outcomes, failures, given_up, configs = [], [], {}, {}
+    units = args.tasks if args.time_to_target else [None]
+    files = getattr(args, "files", {})
     for name in args.contenders:
         reason = missing_dependency(CONTENDERS[name])
-        try:
-            configs[name] = config_file(CONTENDERS[name], tuned, scratch)
-        except Exception as err:  # noqa: BLE001 - an unreadable tuned config: that contender cannot run
-            reason = reason or f"cannot read {tuned}: {err}"
+        for unit in units:
+            try:
+                configs[name, unit] = config_file(CONTENDERS[name], files, scratch, TASKS[unit] if unit else None)
+            except Exception as err:  # noqa: BLE001 - an unreadable config file: that contender cannot run
+                reason = reason or str(err).splitlines()[0]  # phalanx's own message names the file
         if reason:
             given_up[name] = reason
             failures.append(f"{name}: skipped, {reason}")
-    units = args.tasks if args.time_to_target else [None]
     count = 0
     for repeat in range(args.repeats):
         for unit in units:
@@ -169,7 +218,7 @@ def run_all(
                         scratch / f"{count:03d}-{name}-x{n}",
                         worker_args(contender, unit, n),
                         timeout=args.timeout,
-                        config_file=configs[name],
+                        config_file=configs[name, unit],
                     )
                     out.unit = unit
                     outcomes.append(out)
@@ -221,13 +270,13 @@ def throughput(args: argparse.Namespace, scratch: Path) -> dict:
     }
 
 
-def phalanx_lr(contender, tuned: str | None, cwd: Path) -> tuple[object | None, str | None]:
+def phalanx_lr(contender, cwd: Path, files: dict | None = None) -> tuple[object | None, str | None]:
     """The optim section phalanx resolves for ``contender``, so the raw loop can apply the same
     learning-rate rule by hand; (None, why) when the config does not validate."""
     from phalanx.config.loader import load_config
 
     try:
-        return load_config(config_file(contender, tuned, cwd) if contender else None, cwd=cwd).optim, None
+        return load_config(config_file(contender, files, cwd) if contender else None, cwd=cwd).optim, None
     except Exception as err:  # noqa: BLE001 - reported in the report, the run goes on
         return None, str(err).splitlines()[0]
 
@@ -244,9 +293,10 @@ def raw_lr_args(optim, global_batch: int, reference: int) -> list[str]:
 
 
 def time_to_target(args: argparse.Namespace, scratch: Path) -> dict:
-    # The rule of the first phalanx contender listed (the preset one by default).
-    first = next((CONTENDERS[c] for c in args.contenders if CONTENDERS[c].launcher == "phalanx"), None)
-    optim, why = phalanx_lr(first, args.tuned_config, scratch)
+    # phalanx defaults' rule (no scaling: the naive user's rate), whichever files the other
+    # contenders have, so the baseline is the same in every invocation; a tuned config that
+    # changes the batch brings its own scaling to its contender.
+    optim, why = phalanx_lr(CONTENDERS["phalanx"], scratch)
     notes = []
     if optim is None:
         notes.append(f"phalanx's config did not resolve ({why}); the raw loop keeps the task's learning rate unscaled")
@@ -259,20 +309,27 @@ def time_to_target(args: argparse.Namespace, scratch: Path) -> dict:
             out += raw_lr_args(optim, TASKS[task].micro_batch * n, TASKS[task].reference_batch)
         return out
 
-    outcomes, failures = run_all(args, scratch, worker_args, tuned=args.tuned_config)
+    outcomes, failures = run_all(args, scratch, worker_args)
     rows = summary.target_rows(outcomes, args.tasks, args.contenders, args.nprocs)
+    given = [
+        f"{name} from {', '.join(f'{t}={f}' if t else f for t, f in args.files[option].items())}"
+        for name in args.contenders
+        if (option := CONTENDERS[name].config_option) in args.files
+    ]
     return {
         "rows": rows,
         "readings": summary.target_readings(rows) + notes,
         "failures": failures,
         "settings": f"repeats {args.repeats}; processes {','.join(map(str, args.nprocs))}; give up after "
-        f"{args.max_seconds:g} s of training"
-        + (f"; tuned config {args.tuned_config}" if args.tuned_config else "; no tuned config"),
+        f"{args.max_seconds:g} s of training; config files: {'; '.join(given) or 'none'}"
+        + "".join(f"; {line}" for line in args.skipped),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for line in args.skipped:
+        print(f"compare: {line}", file=sys.stderr)
     out = Path(args.out)
     scratch = Path(args.keep_runs) if args.keep_runs else Path(tempfile.mkdtemp(prefix="phalanx-compare-"))
     scratch.mkdir(parents=True, exist_ok=True)

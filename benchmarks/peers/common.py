@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
-from peers.targets import TASKS, Task
+from peers.targets import TASKS, Task, hits
 from peers.workloads import DATA_SEED, EVAL_SEED, WORKLOADS, Workload, tiny
 
 
@@ -48,6 +48,9 @@ class Prepared:
     info: dict = field(default_factory=dict)  # what the contender chose: batch split, precision, ...
     close: Callable[[], None] = lambda: None
     accumulation: int = 1  # micro-steps per optimizer step (phalanx's plan; 1 for the others)
+    # Whether the micro-step just taken ended an optimizer step; None: every ``accumulation``-th
+    # does. phalanx's says so itself: under batch.adaptive the accumulation changes as it trains.
+    stepped: Callable[[], bool] | None = None
 
 
 def world() -> tuple[int, int]:
@@ -80,7 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a few steps each (the test suite)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the workload's)")
-    parser.add_argument("--task", default=None, help="time-to-target mode: digits | teacher")
+    parser.add_argument("--task", default=None, help=f"time-to-target mode: {' | '.join(TASKS)}")
     parser.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
     parser.add_argument("--eval-every", type=int, default=None, help="training samples between evaluations")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="give up after this much training time")
@@ -203,14 +206,16 @@ def _eval_loss(model: torch.nn.Module, workload: Workload) -> float:
 
 
 def _accuracy(model: torch.nn.Module, held_out: TensorDataset) -> float:
+    """Argmax accuracy: per sample for a classifier, per token for a language model (targets.hits)."""
     model.eval()
-    correct = 0
+    correct = scored = 0
     with torch.no_grad():
         for i in range(0, len(held_out), 512):
             x, y = held_out[i : i + 512]
-            correct += (model(x).argmax(dim=1) == y).sum().item()
+            right, total = hits(model(x), y)
+            correct, scored = correct + right, scored + total
     model.train()
-    return correct / len(held_out)
+    return correct / scored
 
 
 def _to_target(args: argparse.Namespace, contender_prepare: Callable[[Job], Prepared], size: int) -> dict:
@@ -231,20 +236,28 @@ def _to_target(args: argparse.Namespace, contender_prepare: Callable[[Job], Prep
     reached, epoch, accuracy = False, 0, 0.0
     while not reached and samples < max_samples and time.perf_counter() - start < args.max_seconds:
         prepared.set_epoch(epoch)
+        took = micro
         for x, y in prepared.loader:
             prepared.step(x, y)
+            # The rows this micro-step trained on, over all processes: right whatever the batch
+            # per optimizer step is (batch.adaptive changes it during the run).
             samples += x.shape[0] * size
             micro += 1
-            if samples >= next_eval and micro % prepared.accumulation == 0:  # between optimizer steps
+            stepped = prepared.stepped() if prepared.stepped else micro % prepared.accumulation == 0
+            if samples >= next_eval and stepped:  # between optimizer steps
                 # Evaluation time counts in the wall time of both contenders alike.
                 began = time.perf_counter()
                 accuracy = _accuracy(prepared.model, held_out)
                 reached = _agree(accuracy >= target)
                 eval_seconds += time.perf_counter() - began
                 curve.append({"seconds": time.perf_counter() - start, "samples": samples, "accuracy": accuracy})
-                next_eval += every
+                # The next multiple of `every`: a step larger than `every` evaluates once, and the
+                # schedule does not fall behind when a larger batch later shrinks again.
+                next_eval = (samples // every + 1) * every
                 if reached or samples >= max_samples or time.perf_counter() - start >= args.max_seconds:
                     break
+        if micro == took:  # the loader ended at once: phalanx's train.max_steps (a `phalanx tune` trial)
+            break
         epoch += 1
     seconds = time.perf_counter() - start
     prepared.close()

@@ -30,8 +30,18 @@ class Contender:
     label: str  # for tables and charts
     launcher: str  # "torchrun" | "phalanx"
     script: str
-    settings: tuple[tuple[str, object], ...] = ()  # phalanx config entries, passed in a config file
+    # phalanx config entries (dotted keys), passed in a config file, on top of the contender's file
+    settings: tuple[tuple[str, object], ...] = ()
     needs: str | None = None  # module that must be importable (benchmark-only dependencies)
+    # The compare.py option that gives this contender its config file (one file for all tasks, or
+    # one per task); without it the contender does not run.
+    config_option: str | None = None
+    # (config key, Task attribute): entries that differ per time-to-target task
+    task_settings: tuple[tuple[str, str], ...] = ()
+
+
+class NoConfigFile(Exception):
+    """A contender that runs from a config file was given none (for this task)."""
 
 
 CONTENDERS = {
@@ -48,6 +58,20 @@ CONTENDERS = {
         ),
         Contender("accelerate", "Accelerate", "torchrun", "accelerate_run.py", needs="accelerate"),
         Contender("fabric", "Lightning Fabric", "torchrun", "fabric_run.py", needs="lightning_fabric"),
+        # A config `phalanx tune` wrote (the default objective, throughput), and one it wrote with
+        # `--objective time`; each file is this contender's alone.
+        Contender(
+            "phalanx-tuned", "phalanx tuned (throughput)", "phalanx", "phalanx_run.py", config_option="--tuned-config"
+        ),
+        Contender("phalanx-time", "phalanx tuned (time)", "phalanx", "phalanx_run.py", config_option="--time-config"),
+        Contender(
+            "phalanx-adaptive",
+            "phalanx adaptive",
+            "phalanx",
+            "phalanx_run.py",
+            settings=(("batch.adaptive", "goodput"),),
+            task_settings=(("batch.adapt_every", "adapt_every"),),
+        ),
     )
 }
 
@@ -110,18 +134,49 @@ def command(
     return [*cmd, script, *args]
 
 
-def config_file(contender: Contender, tuned: str | None, directory: Path) -> str | None:
-    """The config file a phalanx contender launches with: the tuned config (if any) with the
-    contender's own entries on top, written as YAML; None when there is nothing to set."""
-    if contender.launcher != "phalanx" or not (contender.settings or tuned):
+def contender_file(contender: Contender, files: dict[str, dict[str | None, str]], task: str | None) -> str | None:
+    """The file the contender's own option gave, for ``task`` (``files``: option -> {task or None
+    for every task: path}); None for a contender that takes none. Raises NoConfigFile when its
+    option was not given, or names no file for this task."""
+    if contender.config_option is None:
+        return None
+    given = files.get(contender.config_option) or {}
+    path = given.get(task, given.get(None))
+    if path is None:
+        raise NoConfigFile(
+            f"{contender.name}: skipped, no {contender.config_option} given"
+            if not given
+            else f"{contender.name}: skipped on {task}, {contender.config_option} names no file for it"
+        )
+    return path
+
+
+def config_file(
+    contender: Contender,
+    files: dict[str, dict[str | None, str]] | None,
+    directory: Path,
+    task: object | None = None,
+) -> str | None:
+    """The config file a phalanx contender launches with: its own file (``contender_file``; a
+    contender's file never reaches another) with the contender's entries and ``task``'s (a
+    targets.Task, or None) on top, written as YAML; None when there is nothing to set."""
+    name = getattr(task, "name", None)
+    own = contender_file(contender, files or {}, name)
+    entries = [*contender.settings, *((key, getattr(task, attr)) for key, attr in contender.task_settings if task)]
+    if contender.launcher != "phalanx" or not (entries or own):
         return None
     import yaml
 
     from phalanx.config.loader import read_file  # YAML or TOML, as phalanx reads it
 
-    tree = dict(read_file(tuned)) if tuned else {}
-    tree.update(contender.settings)
-    path = directory / f"{contender.name}.yaml"
+    tree = dict(read_file(own) or {}) if own else {}
+    for key, value in entries:
+        *sections, last = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[last] = value
+    path = directory / (f"{contender.name}-{name}.yaml" if name else f"{contender.name}.yaml")
     path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
     return str(path)
 

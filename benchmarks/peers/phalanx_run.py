@@ -1,7 +1,8 @@
 """phalanx as its README shows it: a Session, ``setup()``, ``accumulate()`` and ``backward()``.
 
-Run under ``phalanx launch`` by benchmarks/compare.py; what differs between the "phalanx" and
-"phalanx-preset" contenders is only the launch options (``--set preset=throughput``, ``--config``).
+Run under ``phalanx launch`` by benchmarks/compare.py; what differs between the phalanx
+contenders ("phalanx", "phalanx-preset", "phalanx-tuned", "phalanx-time", "phalanx-adaptive") is
+only the config file they are launched with (``--config``, written by the driver).
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def prepare(job: Job) -> Prepared:
             if source != "default"
         },
     }
+
+    def close() -> None:
+        adaptive = session.adaptive
+        if adaptive is not None and adaptive.base is not None:
+            # The batches batch.adaptive chose, for the report: "x1, x2 from step 30, ..."
+            changes = "".join(f", x{k} from step {s}" for s, k in adaptive.history)
+            info["adaptive"] = (
+                f"adaptive from global {adaptive.base.global_batch_size}: x1{changes}; "
+                f"{session.batch.global_batch_size} at the end"
+            )
+        session.close()
+
     return Prepared(
         model,
         loader,
@@ -58,8 +71,10 @@ def prepare(job: Job) -> Prepared:
         loader.set_epoch,
         plan.global_batch_size,
         info,
-        close=session.close,
+        close=close,
         accumulation=plan.accumulation_steps,
+        # True after the micro-step that stepped the optimizer, for the plan in effect then.
+        stepped=lambda: session.sync_gradients,
     )
 
 

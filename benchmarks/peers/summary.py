@@ -10,7 +10,11 @@ from peers.driver import CONTENDERS, Outcome
 
 # The issue's targets, measured here and stated in the readings, never asserted.
 WITHIN_RAW = 0.02  # phalanx defaults within 2% of raw DDP samples/s
-TIME_TO_TARGET_RATIO = 0.75  # tuned phalanx reaches the target in at most 0.75x raw DDP's time
+# Issue 13: phalanx tuned for time or adaptive (the better of the two) reaches the target in at
+# most 0.6x the raw loop's time on every task, and no phalanx contender is above 1.0x on any task.
+TIME_TO_TARGET_RATIO = 0.6
+NEVER_ABOVE = 1.0
+GOODPUT_CONTENDERS = ("phalanx-time", "phalanx-adaptive")
 
 
 def _errors(outcomes: Iterable[Outcome], contender: str, nproc: int) -> list[str]:
@@ -180,20 +184,80 @@ def target_rows(outcomes: list[Outcome], tasks: list[str], contenders: list[str]
     return rows
 
 
+def _no_ratio(r: dict, raw: dict | None) -> str:
+    if not raw or not raw.get("seconds") or raw["reached"] != raw["runs"]:
+        return "the raw loop has no time to target to compare with"
+    if not r["runs"]:
+        return "no run finished: " + ("; ".join(r["errors"]) or "no result")
+    return f"it reached the target in {r['reached']} of {r['runs']} runs"
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "not met"
+
+
 def target_readings(rows: list[dict]) -> list[str]:
-    lines = []
-    for r in rows:
-        if r["contender"] == "raw":
-            continue
-        if r["ratio_to_raw"] is None:
+    """Per task and process count: each phalanx contender's ratio to the raw loop with the
+    never-above-1.0x verdict, then (when phalanx-time or phalanx-adaptive ran) the 0.6x verdict
+    for the better of the two; then both targets over all tasks. A contender without a ratio (a
+    failed launch, a missed target) does not meet a target."""
+    lines, fast, capped = [], {}, {}  # (task, n) -> the 0.6x verdict; label -> where it is above the cap
+    by = {(r["task"], r["contender"], r["nproc"]): r for r in rows}
+    cells = list(dict.fromkeys((r["task"], r["nproc"]) for r in rows))
+    goodput_ran = any(r["contender"] in GOODPUT_CONTENDERS for r in rows)
+    for task, n in cells:
+        raw = by.get((task, "raw", n))
+        where = f"{task}, {n} process{'es' if n > 1 else ''}"
+        mine = [
+            r for r in rows if (r["task"], r["nproc"]) == (task, n) and CONTENDERS[r["contender"]].launcher == "phalanx"
+        ]
+        for r in mine:
+            ratio = r["ratio_to_raw"]
+            misses = capped.setdefault(r["label"], [])
+            if ratio is None:
+                misses.append(f"{task}: no ratio")
+                lines.append(
+                    f"{where}: {r['label']}: no ratio ({_no_ratio(r, raw)}); never above {NEVER_ABOVE}x: not met."
+                )
+                continue
+            if ratio > NEVER_ABOVE:
+                misses.append(f"{task}: {ratio:.2f}x")
             lines.append(
-                f"{r['task']}, {r['nproc']} processes, {r['label']}: no ratio (a run failed or missed the target)."
+                f"{where}: {r['label']} reaches accuracy {r['target_accuracy']:g} in {ratio:.2f}x the raw DDP loop's "
+                f"time ({r['seconds']:.1f} s against {raw['seconds']:.1f} s); never above {NEVER_ABOVE}x: "
+                f"{_verdict(ratio <= NEVER_ABOVE)}."
             )
+        if not goodput_ran:
             continue
-        met = "meets" if r["ratio_to_raw"] <= TIME_TO_TARGET_RATIO else "does not meet"
+        contenders = [r for r in mine if r["contender"] in GOODPUT_CONTENDERS]
+        measured = [r for r in contenders if r["ratio_to_raw"] is not None]
+        head = (
+            f"{where}: at most {TIME_TO_TARGET_RATIO}x the raw loop's time (phalanx tuned for time or adaptive, "
+            "the better)"
+        )
+        if not measured:
+            fast[task, n] = False
+            why = (
+                "neither ran on this task"
+                if not contenders
+                else "no ratio for " + " or ".join(r["label"] for r in contenders)
+            )
+            lines.append(f"{head}: not met, {why}.")
+            continue
+        best = min(measured, key=lambda r: r["ratio_to_raw"])
+        fast[task, n] = best["ratio_to_raw"] <= TIME_TO_TARGET_RATIO
+        lines.append(f"{head}: {best['label']} at {best['ratio_to_raw']:.2f}x, {_verdict(fast[task, n])}.")
+    tasks = ", ".join(dict.fromkeys(task for task, _ in cells))
+    if fast:
+        missed = [f"{task} x{n}" for (task, n), ok in fast.items() if not ok]
         lines.append(
-            f"{r['task']}, {r['nproc']} processes: {r['label']} reaches accuracy {r['target_accuracy']:g} in "
-            f"{r['ratio_to_raw']:.2f}x the raw DDP loop's time ({r['seconds']:.1f} s against "
-            f"{r['seconds'] / r['ratio_to_raw']:.1f} s); it {met} the {TIME_TO_TARGET_RATIO}x target."
+            f"over all tasks ({tasks}): at most {TIME_TO_TARGET_RATIO}x on every task: "
+            + (f"not met (missed on {', '.join(missed)})." if missed else "met.")
+        )
+    if capped:
+        over = [f"{label} ({', '.join(misses)})" for label, misses in capped.items() if misses]
+        lines.append(
+            f"over all tasks ({tasks}): never above {NEVER_ABOVE}x for every phalanx contender: "
+            + (f"not met, {'; '.join(over)}." if over else "met.")
         )
     return lines

@@ -105,10 +105,15 @@ def tiny_gpt() -> nn.Module:
     return TinyGPT(vocab=VOCAB, dim=128, layers=2, heads=4, seq=CONTEXT)
 
 
+def markov_table() -> torch.Tensor:
+    """(VOCAB, 4): the 4 successors of each token, drawn with replacement (a repeat is likelier)."""
+    return torch.randint(0, VOCAB, (VOCAB, 4), generator=torch.Generator().manual_seed(TEACHER_SEED))
+
+
 def markov_tokens(n: int, seed: int) -> TensorDataset:
     """Sequences where each token is followed by one of 4 tokens fixed per token (a random table):
     a model that learns the table reaches a loss near ln 4 from ln 64."""
-    table = torch.randint(0, VOCAB, (VOCAB, 4), generator=torch.Generator().manual_seed(TEACHER_SEED))
+    table = markov_table()
     g = torch.Generator().manual_seed(seed)
     tokens = torch.empty(n, CONTEXT + 1, dtype=torch.long)
     tokens[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
