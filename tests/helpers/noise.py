@@ -32,7 +32,14 @@ def estimate(global_batch: int, micro_batch: int, steps: int, strategy: str) -> 
         Config(),
         strategy=strategy,
         batch={"global_batch_size": global_batch, "micro_batch_size": micro_batch},
-        train={"progress": False, "metrics": False, "noise_scale_every": 1, "noise_scale_smoothing": 0.999},
+        # hook: without accumulation, ddp and zero1 measure in a Python comm hook only when asked.
+        train={
+            "progress": False,
+            "metrics": False,
+            "noise_scale": "hook",
+            "noise_scale_every": 1,
+            "noise_scale_smoothing": 0.999,
+        },
     )
     model = nn.Linear(DIM, 1, bias=False)
     nn.init.zeros_(model.weight)

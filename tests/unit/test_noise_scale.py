@@ -117,3 +117,19 @@ def test_the_metrics_record_the_estimate(tmp_path):
     assert records[-1]["noise_scale"] == session.noise.value and session.noise.estimate.count == 4
     json.dumps(records)  # plain numbers
     session.close()
+
+
+def test_ddp_without_accumulation_says_how_to_measure():
+    from types import SimpleNamespace
+
+    from phalanx.config.batch import BatchPlan
+    from phalanx.session.noise import NoiseProbe
+
+    strategy = SimpleNamespace(
+        name="ddp", data_parallel_size=2, local_micro_step_gradients=True, local_norms=None, ddp_buckets=True
+    )
+    probe = NoiseProbe(Config(), strategy, None, [])
+    probe.plan(BatchPlan(global_batch_size=64, micro_batch_size=32, accumulation_steps=1, data_parallel_size=2))
+    assert probe.estimate is None and "train.noise_scale: hook" in probe.why_not
+    probe.plan(BatchPlan(global_batch_size=64, micro_batch_size=8, accumulation_steps=4, data_parallel_size=2))
+    assert probe.estimate is not None and probe.estimate.small == 8  # accumulation's micro-steps

@@ -374,11 +374,13 @@ class TrainConfig(Section):
             "over it, torch.OutOfMemoryError (null: no cap)"
         ),
     )
-    noise_scale: bool = Field(
+    noise_scale: Union[bool, Literal["hook"]] = Field(
         True,
         description=(
             "estimate the gradient noise scale (the batch size beyond which more samples per step buy little) "
-            "from the gradients each step has, into the metrics and the run summary (docs/goodput.md)"
+            "from the gradients each step has, into the metrics and the run summary (docs/goodput.md); "
+            "hook: also under ddp/zero1 without accumulation, through a Python comm hook in place of DDP's "
+            "built-in all-reduce (it costs step time)"
         ),
     )
     noise_scale_every: int = Field(10, gt=0, description="optimizer steps between two noise-scale estimates")

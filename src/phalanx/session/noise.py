@@ -48,12 +48,20 @@ class NoiseProbe:
         elif dp > 1 and self.strategy.local_norms is not None:
             self._source, small = "comm hook", batch.global_batch_size // dp  # a rank's share, all micro-steps
         else:
-            self.why_not = (
-                "one process without accumulation has a single batch size; set batch.micro_batch_size below the "
-                "global batch to measure it"
-                if dp == 1 and self.strategy.local_micro_step_gradients
-                else f"strategy {self.strategy.name} exposes no gradient over fewer samples than the global batch"
-            )
+            if dp == 1 and self.strategy.local_micro_step_gradients:
+                self.why_not = (
+                    "one process without accumulation has a single batch size; set batch.micro_batch_size below "
+                    "the global batch to measure it"
+                )
+            elif self.strategy.ddp_buckets and dp > 1:
+                self.why_not = (
+                    f"strategy {self.strategy.name} without accumulation keeps DDP's built-in all-reduce; "
+                    "train.noise_scale: hook measures there (a Python comm hook, which costs step time), "
+                    "or accumulate (batch.micro_batch_size below the global batch / processes)"
+                )
+            else:
+                name = self.strategy.name
+                self.why_not = f"strategy {name} exposes no gradient over fewer samples than the global batch"
             return
         self.estimate = NoiseScale(small, batch.global_batch_size, self.settings.noise_scale_smoothing)
         if self._pending is not None:

@@ -119,7 +119,8 @@ class _Tuner:
             "launch.max_restarts=0",  # an out-of-memory trial must end, not resume
             # A trial is short: every other step estimates the noise scale, and the steps in between
             # give the trial's samples/s (an estimate's cost would favour large batches).
-            *(("train.noise_scale=true", "train.noise_scale_every=2") if options.objective == "time" else ()),
+            # (hook: under ddp without accumulation too; its cost falls on every candidate alike).
+            *(("train.noise_scale=hook", "train.noise_scale_every=2") if options.objective == "time" else ()),
         )
         self.trials: list[Trial] = []
         self._by_settings: dict[Settings, Trial] = {}
