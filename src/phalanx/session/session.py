@@ -117,6 +117,7 @@ class Session:
         if self.adaptive is not None:
             self.adaptive.on_change = self._apply_adaptive
         self.state.adaptive = self.adaptive
+        self._said_no_noise_scale: str | None = None
         self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
@@ -320,6 +321,7 @@ class Session:
         if self.adaptive is not None:
             self.batch = self.adaptive.plan(self.batch)
         self.noise.plan(self.batch)
+        self._say_why_no_noise_scale()
         self.lr_scaling = LRScaling(
             cfg.optim.lr_scaling,
             self.batch.global_batch_size,
@@ -327,6 +329,17 @@ class Session:
             cfg.optim.warmup_steps,
             cfg.optim.warmup_start_factor,
         )
+
+    def _say_why_no_noise_scale(self) -> None:
+        why = self.noise.why_not
+        if why is None:
+            return
+        if self.adaptive is not None:
+            raise ConfigError(f"batch.adaptive needs the gradient noise scale, which this run cannot measure: {why}")
+        asked = self.config.sources.get("train.noise_scale", "default") != "default"
+        if asked and why != self._said_no_noise_scale:  # once per reason, not at every setup_loader
+            self._said_no_noise_scale = why
+            self.print(f"phalanx: train.noise_scale: no estimate in this run: {why}")
 
     def _plan_sizes(self, global_batch_size: int | None, batch: BatchConfig | None = None) -> BatchPlan:
         """``batch``: other sizes than the config's (the layout lock plans the script's own)."""

@@ -32,8 +32,12 @@ class DDP(Strategy):
         # in the comm hook, which sees each bucket before it is averaged. Wrapping a Python hook
         # the config asks for costs nothing more; putting one in place of DDP's built-in all-reduce
         # cost 8.7% of the step on 2 CPU processes (benchmarks/noise_overhead.py), so that takes
-        # train.noise_scale: hook.
-        python_hook = config.strategy.ddp.comm_hook != "none" or config.train.noise_scale == "hook"
+        # train.noise_scale: hook, or batch.adaptive, which cannot choose a batch without it.
+        python_hook = (
+            config.strategy.ddp.comm_hook != "none"
+            or config.train.noise_scale == "hook"
+            or config.batch.adaptive is not None
+        )
         measure = bool(config.train.noise_scale) and topology.world_size > 1 and python_hook
         self.local_norms: LocalNorms | None = LocalNorms() if measure else None
 
