@@ -69,15 +69,19 @@ def _launch(tmp_path: Path, out: str, *args: str, env: dict | None = None):
     )
 
 
+# joined: batch.max_micro_batch_size lets a forward join up to 4 of the loader's micro-batches of 4.
 @pytest.mark.timeout(420)
-def test_an_adaptive_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("joined", [False, True], ids=["one-micro-batch-per-forward", "joined-forwards"])
+def test_an_adaptive_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path, joined):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref_dir.mkdir()
     run_dir.mkdir()
-    reference = _launch(ref_dir, "out.pt", "--set", "checkpoint.resume=never")
+    limit = ["--set", "batch.max_micro_batch_size=16"] if joined else []
+    reference = _launch(ref_dir, "out.pt", "--set", "checkpoint.resume=never", *limit)
     assert reference.returncode == 0, reference.output
+    assert ("micro-batches at once" in reference.output) is joined, reference.output
     killed = _launch(
-        run_dir, "out.pt", "--max-restarts", "1", "--set", "checkpoint.save_every=4", env={"KILL_AT": "10"}
+        run_dir, "out.pt", "--max-restarts", "1", "--set", "checkpoint.save_every=4", *limit, env={"KILL_AT": "10"}
     )
     assert killed.returncode == 0, killed.output
     assert "restart 1 after a failure" in killed.output

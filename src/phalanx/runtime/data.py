@@ -10,6 +10,7 @@ sample slot (truncated BPTT) finds the same slot in the same place at every step
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -24,7 +25,7 @@ from phalanx.runtime.pinning import choose_pin, first_batch
 from phalanx.runtime.shares import StreamShare
 from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
 from phalanx.topology import cpu_count
-from phalanx.util.tree import map_tensors
+from phalanx.util.tree import NotConcatenable, check_concatenable, concat_batches, map_tensors
 
 # `data.num_workers: auto` never goes above this: each worker holds its own copy of the dataset
 # object, and past a handful of workers most loaders are no longer the bottleneck.
@@ -154,6 +155,12 @@ class DeviceLoader:
         self.on_start = None  # set by the Session: called before a training pass begins
         self.on_iterating = None  # set by the Session: called once the pass's iterator exists
         self.stop_when = None  # set by the Session: True once training must end (train.max_steps)
+        # Set by the Session under batch.adaptive: how many of the loader's batches the next forward
+        # takes at once (batch.max_micro_batch_size allowing); their samples, in order, as one batch.
+        self.group = None
+        self.last_group = 1  # the loader's batches in the batch handed out last
+        self.say = None  # set by the Session: a line for the console (rank 0's)
+        self._concat = True  # False once a batch could not be joined: one batch per forward from then on
         self._pass_start = 0  # global position where the current pass began
         self._served = 0  # batches handed out in the current pass
         self._passes = 0  # passes started (iterators created)
@@ -217,19 +224,41 @@ class DeviceLoader:
         if self.on_iterating is not None:
             self.on_iterating(self)
         # Positions, callbacks and waits count batches handed to the user, not batches fetched ahead.
-        for batch, handle in staged(batches, self.transfer, ahead=self.fetch_ahead):
+        arriving = staged(batches, self.transfer, ahead=self.fetch_ahead)
+        for batch, handle in arriving:
             if self.stop_when is not None and self.stop_when():
                 return  # the pass ends as at the end of an epoch, so the script's own code after it runs
+            out, taken = self.transfer.ready(handle), 1
+            wanted = self.group() if self.group is not None and self._concat else 1
+            if wanted > 1 and self._joinable(out):
+                # The next batches of this pass join this one (fewer where the pass ends first).
+                parts = [out, *(self.transfer.ready(h) for _, h in itertools.islice(arriving, wanted - 1))]
+                out, taken = concat_batches(parts), len(parts)
             if self.on_wait is not None:
                 self.on_wait(time.perf_counter() - requested)
             if self.state is not None:
                 self.state.batch_start = consumed
                 consumed += _batch_len(batch)
+            self.last_group = taken
             if self.on_batch is not None:
                 self.on_batch(self)
-            self._served += 1
-            yield self.transfer.ready(handle)
+            self._served += taken
+            yield out
             requested = time.perf_counter()
+
+    def _joinable(self, batch: Any) -> bool:
+        try:
+            check_concatenable(batch)
+        except NotConcatenable as why:
+            # Every rank's batches have the same structure, so every rank stops joining here.
+            self._concat = False
+            if self.say is not None:
+                self.say(
+                    f"phalanx: batch.adaptive: the loader's batches hold {why}, which phalanx cannot join "
+                    "into a larger batch; each forward stays one micro-batch (a step takes more of them)"
+                )
+            return False
+        return True
 
 
 def shard_loader(

@@ -67,12 +67,14 @@ def track(
     show: bool,
     loss: Callable[[], float | None],
     meter: Throughput,
+    joined: Callable[[], int] = lambda: 1,
 ) -> Iterator[Any]:
-    """Yield from ``batches``, counting samples and data waits into ``meter`` and drawing a bar when ``show``."""
+    """Yield from ``batches``, counting samples and data waits into ``meter`` and drawing a bar when ``show``.
+    ``joined``: how many of the loader's batches the one just yielded holds (batch.adaptive joins them)."""
     if not show:
         for batch in _timed(batches, meter):
             yield batch
-            meter.add(samples_per_batch)
+            meter.add(samples_per_batch * joined())
         meter.stop()
         return
 
@@ -106,7 +108,7 @@ def track(
         last = 0.0
         for batch in _timed(batches, meter):
             yield batch
-            meter.add(samples_per_batch)
+            meter.add(samples_per_batch * joined())
             now = time.perf_counter()
             if now - last >= _REFRESH_S:
                 last = now

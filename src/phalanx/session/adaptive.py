@@ -2,8 +2,9 @@
 OSDI 2021), from the gradient noise scale and the run's own step times.
 
 Every ``batch.adapt_every`` optimizer steps the ranks agree on a multiple k of the starting global
-batch G0 (k = 1, 2, 4, ... up to ``batch.adaptive_max_global_batch``): the micro-batch stays (so
-does the memory a step needs), and the accumulation steps become k times the starting ones. The
+batch G0 (k = 1, 2, 4, ... up to ``batch.adaptive_max_global_batch``): the accumulation steps become
+k times the starting ones, and a forward joins up to k of the loader's micro-batches as far as
+``batch.max_micro_batch_size`` allows (without it the micro-batch stays, so does a step's memory). The
 choice maximises throughput(k) x efficiency(k G0), with efficiency(B) = 1 / (1 + B / B_noise) and
 throughput from a model of the step, k a0 micro-steps of t_micro each plus a fixed t_step, fitted to
 the run's step times at the first decision and kept from then on (so that a resumed run decides as
@@ -85,6 +86,17 @@ class AdaptiveBatch:
     def current(self) -> BatchPlan:
         b, k = self.base, self.k
         return replace(b, accumulation_steps=b.accumulation_steps * k, global_batch_size=b.global_batch_size * k)
+
+    @property
+    def merge(self) -> int:
+        """Micro-batches a forward joins at the current k: as many of the k times more as
+        ``batch.max_micro_batch_size`` (the memory a forward may use) allows; 1 without that limit.
+        At k = 1 the script's own micro-batch, always."""
+        limit, micro = self.settings.max_micro_batch_size, self.base.micro_batch_size if self.base else 0
+        j = 1
+        while limit is not None and self.k % (2 * j) == 0 and micro * 2 * j <= limit:
+            j *= 2
+        return j
 
     def candidates(self) -> list[int]:
         most = self.settings.adaptive_max_global_batch or 8 * self.base.global_batch_size

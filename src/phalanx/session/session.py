@@ -118,6 +118,7 @@ class Session:
             self.adaptive.on_change = self._apply_adaptive
         self.state.adaptive = self.adaptive
         self._said_no_noise_scale: str | None = None
+        self._forward_micro = 1  # the loader's micro-batches in the current forward (see accumulate)
         self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
@@ -296,6 +297,8 @@ class Session:
         wrapped.on_wait = self.metrics.add_wait if train else None
         if wrapped.stream is not None:
             wrapped.stream.say = self.print  # a stream's incomplete last global batch is dropped with a line
+        if train and self.adaptive is not None and wrapped.stream is None:
+            wrapped.group, wrapped.say = self._micro_batches_per_forward, self.print
         if train:
             wrapped.on_start = lambda _: self.recovery.ensure_resumed()
             wrapped.on_iterating = lambda _: self.state.restore_rng()
@@ -370,7 +373,14 @@ class Session:
         return optimizer
 
     def _micro_steps_before(self) -> int:
-        return self.state.micro - (1 if self._in_accumulate else 0)
+        return self.state.micro - (self._forward_micro if self._in_accumulate else 0)
+
+    def _micro_batches_per_forward(self) -> int:
+        """batch.adaptive: the loader's micro-batches the next forward joins; never past the end of
+        the optimizer step's window, so every step sums exactly its accumulation steps' samples."""
+        if self.state.micro == 0 and self.noise.wants_one_micro_batch_first(self.state.step):
+            return 1
+        return min(self.adaptive.merge, self.accumulation_steps - self.state.micro)
 
     def _announce(self) -> None:
         """The console line and session.json: at the first setup, and again whenever a later setup
@@ -455,6 +465,7 @@ class Session:
             loader,
             total=total,
             samples_per_batch=per_rank * dp,
+            joined=(lambda: loader.last_group) if isinstance(loader, DeviceLoader) else (lambda: 1),
             description=description,
             show=self.is_main and self.config.train.progress,
             loss=self._loss_value if train else (lambda: None),
@@ -470,7 +481,11 @@ class Session:
         if not self.recovery.resume_checked:
             self.recovery.ensure_resumed()
         self.recovery.beat()
-        self.state.micro += 1
+        # A forward may hold several of the loader's micro-batches (batch.adaptive joins them):
+        # micro-steps count micro-batches, so the window and the loss's share stay the plan's.
+        loader = self._active_loader
+        self._forward_micro = loader.last_group if loader is not None and loader.group is not None else 1
+        self.state.micro += self._forward_micro
         self.sync_gradients = self.state.micro >= self.accumulation_steps
         self._in_accumulate = True
         try:
@@ -484,6 +499,7 @@ class Session:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the 1/accumulation_steps division (once) and fp16 loss scaling."""
         steps = self.accumulation_steps
+        joined = self._forward_micro if self._in_accumulate else 1
         if steps > 1 and not self._in_accumulate:
             raise PhalanxError(
                 f"accumulation_steps is {steps}: "
@@ -491,10 +507,12 @@ class Session:
             )
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
-        self.gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and self.state.micro > 1)
-        where = (self.state.step, self.state.micro, steps, self.sync_gradients)
+        first = self.state.micro == joined
+        self.gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and not first)
+        where = (self.state.step, first, joined, steps, self.sync_gradients)
         self.noise.before_backward(*where)
-        self._last_loss = self.strategy.backward(loss, self.precision, steps)
+        # The mean over `joined` micro-batches is `joined` of the step's 1/steps shares.
+        self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
         self.noise.after_backward(*where, self.precision.scaler)
         self.gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self.memory_cap is not None:
@@ -576,7 +594,9 @@ class Session:
         """batch.adaptive chose another multiple of the starting batch (or a resume restored one)."""
         self.batch = self.adaptive.current()
         self.noise.resize(self.batch)
-        self.print(f"phalanx: batch.adaptive: {self.batch.describe()} from step {self.state.step}")
+        joined = self.adaptive.merge
+        forwards = f", forwards of {joined} micro-batches at once" if joined > 1 else ""
+        self.print(f"phalanx: batch.adaptive: {self.batch.describe()}{forwards} from step {self.state.step}")
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not

@@ -17,3 +17,37 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(map_tensors(v, fn) for v in value)
     return value
+
+
+class NotConcatenable(Exception):
+    """A batch holds something other than tensors with a batch dimension."""
+
+
+def check_concatenable(batch: Any) -> None:
+    """Raises NotConcatenable, naming the first leaf that is not a tensor with a batch dimension
+    (a string, a number, a 0-d tensor): its meaning for a larger batch is the script's, not phalanx's."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise NotConcatenable("a 0-d tensor")
+        return
+    if isinstance(batch, dict):
+        values = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        values = batch
+    else:
+        raise NotConcatenable(f"a {type(batch).__name__}")
+    for value in values:
+        check_concatenable(value)
+
+
+def concat_batches(batches: list[Any]) -> Any:
+    """One batch of the samples of ``batches`` (the same structure each, see check_concatenable),
+    in order: their tensors joined on the first dimension."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return type(first)((k, concat_batches([b[k] for b in batches])) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concat_batches(list(parts)) for parts in zip(*batches)))
+    return type(first)(concat_batches(list(parts)) for parts in zip(*batches))
