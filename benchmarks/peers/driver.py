@@ -38,6 +38,9 @@ class Contender:
     config_option: str | None = None
     # (config key, Task attribute): entries that differ per time-to-target task
     task_settings: tuple[tuple[str, str], ...] = ()
+    # (compare.py option, config key): an entry taken from another contender's file, where it has
+    # one for the task; nothing else of that file reaches this contender.
+    borrows: tuple[tuple[str, str], ...] = ()
 
 
 class NoConfigFile(Exception):
@@ -71,6 +74,9 @@ CONTENDERS = {
             "phalanx_run.py",
             settings=(("batch.adaptive", "goodput"),),
             task_settings=(("batch.adapt_every", "adapt_every"),),
+            # The memory a forward may use, as `phalanx tune` found it: batch.adaptive joins
+            # micro-batches up to that size when it grows the batch (docs/goodput.md).
+            borrows=(("--tuned-config", "batch.max_micro_batch_size"),),
         ),
     )
 }
@@ -169,6 +175,12 @@ def config_file(
 
     from phalanx.config.loader import read_file  # YAML or TOML, as phalanx reads it
 
+    for option, key in contender.borrows:
+        given = (files or {}).get(option) or {}
+        source = given.get(name, given.get(None))
+        value = _lookup(read_file(source) or {}, key) if source else None
+        if value is not None:
+            entries.append((key, value))
     tree = dict(read_file(own) or {}) if own else {}
     for key, value in entries:
         *sections, last = key.split(".")
@@ -179,6 +191,13 @@ def config_file(
     path = directory / (f"{contender.name}-{name}.yaml" if name else f"{contender.name}.yaml")
     path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
     return str(path)
+
+
+def _lookup(tree: dict, key: str) -> object | None:
+    node: object = tree
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def launch(

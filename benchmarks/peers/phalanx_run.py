@@ -58,9 +58,10 @@ def prepare(job: Job) -> Prepared:
         if adaptive is not None and adaptive.base is not None:
             # The batches batch.adaptive chose, for the report: "x1, x2 from step 30, ..."
             changes = "".join(f", x{k} from step {s}" for s, k in adaptive.history)
+            joined = f" in forwards of {adaptive.merge} micro-batches" if adaptive.merge > 1 else ""
             info["adaptive"] = (
                 f"adaptive from global {adaptive.base.global_batch_size}: x1{changes}; "
-                f"{session.batch.global_batch_size} at the end"
+                f"{session.batch.global_batch_size} at the end{joined}"
             )
         session.close()
 

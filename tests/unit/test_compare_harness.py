@@ -186,11 +186,17 @@ def test_each_config_file_reaches_its_own_contender_only(tmp_path):
     assert config_file(CONTENDERS["phalanx"], files, out, digits) is None
     assert config_file(CONTENDERS["raw"], files, out, digits) is None
     assert _read(config_file(CONTENDERS["phalanx-preset"], files, out, None)) == {"preset": "throughput"}
-    # The adaptive contender: phalanx defaults plus batch.adaptive, adapt_every per task.
+    # The adaptive contender: phalanx defaults plus batch.adaptive, adapt_every per task; the tuned
+    # file has no micro-batch limit, so nothing of it reaches this contender.
     for name, task in TASKS.items():
         assert _read(config_file(CONTENDERS["phalanx-adaptive"], files, out, task)) == {
             "batch": {"adaptive": "goodput", "adapt_every": task.adapt_every}
         }, name
+    # With one, the limit alone: the memory a forward may use, as the throughput tune found it.
+    tuned.write_text("preset: throughput\nbatch:\n  max_micro_batch_size: 512\n  global_batch_size: 1024\n")
+    assert _read(config_file(CONTENDERS["phalanx-adaptive"], files, out, digits)) == {
+        "batch": {"adaptive": "goodput", "adapt_every": digits.adapt_every, "max_micro_batch_size": 512}
+    }
     assert _read(config_file(CONTENDERS["phalanx-adaptive"], {}, out, None)) == {"batch": {"adaptive": "goodput"}}
 
 
