@@ -159,19 +159,37 @@ class _Tuner:
         values = [t.figures.noise_scale for t in trials if t.outcome == OK and t.figures and t.figures.noise_scale]
         return statistics.median(values) if values else None
 
-    def _time_words(self, measured: list[search.Measured], noise: float | None, current: int | None) -> str:
+    def _smaller_global_trials(self, current: Settings, start: Trial, multiple: int) -> dict[int, Trial]:
+        """--objective time with --allow-global-batch: trials at a half and a quarter of the
+        script's global batch (micro-batch and global batch both divided, the accumulation kept).
+        Below the noise scale a smaller batch needs fewer samples for the same progress, which can
+        more than pay for its lower samples/s; the choice weighs both."""
+        out: dict[int, Trial] = {}
+        if start.outcome != OK:
+            return out
+        for factor in (2, 4):
+            micro = current.micro // factor
+            if current.micro % factor or current.global_batch % factor or micro % multiple:
+                break
+            settings = replace(current, micro=micro, global_batch=current.global_batch // factor)
+            out[micro] = self.trial("micro-batch", settings, f"{self.label(settings)} (a smaller global batch)")
+        return out
+
+    def _time_words(self, measured: list[search.Measured], noise: float | None, current: Settings | None) -> str:
         if noise is None:
             return (
                 "no trial measured the gradient noise scale (docs/goodput.md says where it can be), "
                 "so the choice is by throughput"
             )
-        ref = next((m for m in measured if m.value == current and m.ok), None)
+        ref = next((m for m in measured if current is not None and m.value == current.micro and m.ok), None)
         parts = []
         for m in measured:
             if m.ok:
                 time = f", time x{search.predicted_time_ratio(m, ref, noise):.2f}" if ref is not None else ""
+                smaller = current is not None and m.global_batch < current.global_batch
                 parts.append(
-                    f"{m.value}: {m.samples_per_s:,.0f} samples/s x efficiency "
+                    f"{m.value}{f' (global {m.global_batch})' if smaller else ''}: "
+                    f"{m.samples_per_s:,.0f} samples/s x efficiency "
                     f"{search.efficiency(m.global_batch, noise):.2f}{time}"
                 )
         return f"gradient noise scale ≈{noise:,.0f}; " + "; ".join(parts)
@@ -318,12 +336,16 @@ class _Tuner:
                 f"its output is in {tried[candidates[0]].log}"
             )
         over = min((s for s, t in tried.items() if s > largest and t.outcome != OK), default=None)
-        measured = [search.Measured(s, t.samples_per_s, global_batch=t.settings.global_batch) for s, t in tried.items()]
+        pool = dict(tried)
+        if o.objective == "time" and not keep:
+            for size, trial in self._smaller_global_trials(current, start, multiple).items():
+                pool.setdefault(size, trial)
+        measured = [search.Measured(s, t.samples_per_s, global_batch=t.settings.global_batch) for s, t in pool.items()]
         measured.sort(key=lambda m: m.value)
-        noise = self._noise_scale(tried.values()) if o.objective == "time" else None
+        noise = self._noise_scale(pool.values()) if o.objective == "time" else None
         now = current.micro if start.outcome == OK else None
         winner = search.fastest_to_target(measured, now, noise) if noise else search.fastest(measured, now)
-        chosen = tried[int(winner.value)]
+        chosen = pool[int(winner.value)]
         unconfirmed = None
         if chosen is not start and start.outcome == OK and not self.confirmed("micro-batch", start, chosen, noise):
             unconfirmed, chosen = chosen, start
@@ -341,7 +363,7 @@ class _Tuner:
             if self.base.devices.kind == "cpu" and self.base.config.train.memory_cap is None:
                 text += "; on CPU without --memory-cap only the machine's RAM limits memory"
         if o.objective == "time":
-            text += "; " + self._time_words(measured, noise, current.micro if start.outcome == OK else None)
+            text += "; " + self._time_words(measured, noise, current if start.outcome == OK else None)
         if chosen.settings.micro != current.micro:
             text += f"; chosen {chosen.settings.micro}, " + (
                 "the shortest predicted time to the same quality" if noise else "the fastest that fits"
@@ -371,8 +393,8 @@ class _Tuner:
             text += (
                 f"; global batch {current.global_batch} -> {chosen.settings.global_batch}, "
                 f"so the learning rate is scaled by {search.lr_multiplier(lr):.3g} "
-                f"({lr['optim.lr_scaling']} rule, reference {lr['optim.reference_batch_size']}, "
-                f"warm-up {lr['optim.warmup_steps']} steps)"
+                f"({lr['optim.lr_scaling']} rule, reference {lr['optim.reference_batch_size']}"
+                + (f", warm-up {lr['optim.warmup_steps']} steps)" if "optim.warmup_steps" in lr else ")")
             )
         return chosen.settings, StageResult("micro-batch", text, values)
 

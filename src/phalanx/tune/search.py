@@ -196,16 +196,19 @@ def lr_settings(
     The user's rule is kept when they chose one; otherwise ``sqrt`` (the conservative one, and the
     usual rule for Adam-type optimizers; SGD users often prefer ``linear``). The reference is the
     batch the lr was tuned for: the user's, or the script's original global batch. A warm-up of 100
-    optimizer steps is added when there was none: a jump to a larger lr at step 0 is what warm-up
-    exists to avoid (Goyal et al., 2017)."""
+    optimizer steps is added when there was none and the lr grows: a jump to a larger lr at step 0
+    is what warm-up exists to avoid (Goyal et al., 2017)."""
     if new_global == original_global:
         return {}
-    return {
+    reference = reference or original_global
+    values: dict[str, object] = {
         "batch.global_batch_size": new_global,
         "optim.lr_scaling": rule if rule != "none" else "sqrt",
-        "optim.reference_batch_size": reference or original_global,
-        "optim.warmup_steps": warmup_steps if warmup_steps > 0 else 100,
+        "optim.reference_batch_size": reference,
     }
+    if new_global > reference or warmup_steps > 0:
+        values["optim.warmup_steps"] = warmup_steps if warmup_steps > 0 else 100
+    return values
 
 
 def lr_multiplier(values: dict[str, object]) -> float:
