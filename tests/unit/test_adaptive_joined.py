@@ -35,7 +35,36 @@ class _Labelled(Dataset):
         return x, y, f"sample-{i}"
 
 
-def _train(dataset, tmp_path, progress=False, **batch):
+class _Padded(Dataset):
+    """Variable-length samples, padded per batch to the batch's longest (a text loader's collate)."""
+
+    def __init__(self):
+        self.inner = _data()
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        x, y = self.inner[i]
+        return torch.cat([x, torch.zeros(1 if i % 16 == 0 else 0)]), y  # 4 of 10 batches of 8 are longer
+
+
+def _pad(samples):
+    longest = max(x.shape[0] for x, _ in samples)
+    xs = torch.stack([torch.cat([x, torch.zeros(longest - x.shape[0])]) for x, _ in samples])
+    return xs, torch.stack([y for _, y in samples])
+
+
+class _FirstFour(nn.Module):
+    def __init__(self, inputs: int, outputs: int):
+        super().__init__()
+        self.linear = nn.Linear(inputs, outputs)
+
+    def forward(self, x):
+        return self.linear(x[:, :4])
+
+
+def _train(dataset, tmp_path, progress=False, collate=None, model=nn.Linear, evaluate_every=0, **batch):
     session = Session(
         Config(),
         # Given step times: the choices depend on the data alone, so both runs choose alike.
@@ -50,15 +79,23 @@ def _train(dataset, tmp_path, progress=False, **batch):
         launch={"run_dir": str(tmp_path)},
     )
     torch.manual_seed(0)
-    model = nn.Linear(4, 1)
+    model = model(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1000)
-    model, optimizer, loader, scheduler = session.setup(
-        model, optimizer, DataLoader(dataset, batch_size=8, shuffle=True), scheduler
+    model, optimizer, loader, scheduler, held_out = session.setup(
+        model,
+        optimizer,
+        DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=collate),
+        scheduler,
+        DataLoader(_data(), batch_size=64),
     )
     sizes, counted = [], []
     for _ in session.epochs(1000):
-        for xb, yb, *_ in session.progress(loader) if progress else loader:
+        for i, (xb, yb, *_) in enumerate(session.progress(loader) if progress else loader):
+            if evaluate_every and i % evaluate_every == 0:
+                with torch.no_grad():  # an evaluation loader between a batch and its forward
+                    for ex, _ in held_out:
+                        model(ex)
             sizes.append(xb.shape[0])
             with session.accumulate(model):
                 session.backward(nn.functional.mse_loss(model(xb), yb))
@@ -93,6 +130,34 @@ def test_joined_forwards_train_as_one_micro_batch_each(tmp_path):
     assert sum(plain["sizes"]) == sum(joined["sizes"]) and len(joined["sizes"]) < len(plain["sizes"])
     for a, b in zip(plain["weights"], joined["weights"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_an_evaluation_between_a_batch_and_its_forward_changes_nothing(tmp_path):
+    plain = _train(_data(), tmp_path / "plain", max_micro_batch_size=16)
+    evaluated = _train(_data(), tmp_path / "evaluated", evaluate_every=3, max_micro_batch_size=16)
+    assert plain["sizes"] == evaluated["sizes"] and plain["history"] == evaluated["history"]
+    for a, b in zip(plain["weights"], evaluated["weights"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_batches_of_different_shapes_take_one_forward_each(tmp_path):
+    joined = _train(_Padded(), tmp_path / "joined", collate=_pad, model=_FirstFour, max_micro_batch_size=16)
+    plain = _train(_Padded(), tmp_path / "plain", collate=_pad, model=_FirstFour)
+    assert joined["history"] and joined["steps"] == plain["steps"] and sum(joined["sizes"]) == sum(plain["sizes"])
+    assert max(joined["sizes"]) > 4 and len(joined["sizes"]) < len(plain["sizes"])  # joined where shapes agree
+    for a, b in zip(plain["weights"], joined["weights"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_batches_of_different_shapes_are_refused_where_ranks_must_take_the_same_forwards():
+    from phalanx.errors import PhalanxError
+    from phalanx.runtime.data import DeviceLoader
+
+    loader = DataLoader(_Padded(), batch_size=8, collate_fn=_pad)  # in order: every other batch is longer
+    wrapped = DeviceLoader(loader, None, torch.device("cpu"), train=True, non_blocking=False)
+    wrapped.group, wrapped.join_strictly = (lambda: 3), True
+    with pytest.raises(PhalanxError, match=r"^batch.adaptive: the training loader's batches differ in shape"):
+        list(wrapped)
 
 
 def test_the_progress_bar_counts_every_sample_of_a_joined_forward(tmp_path):

@@ -77,6 +77,15 @@ def test_only_the_time_objective_with_a_free_global_batch_tries_smaller_ones(tmp
     assert min(t.settings.global_batch for t in trials) == 128
 
 
+def test_without_a_noise_scale_no_smaller_batch_is_tried(tmp_path, monkeypatch):
+    tuner, trials = _tuner(
+        tmp_path, monkeypatch, None, _per_sample_cost, objective="time", allow_global_batch=True, max_micro_batch=128
+    )
+    result = tuner.run()
+    assert min(t.settings.global_batch for t in trials) == 128  # by throughput, a smaller batch never wins
+    assert "no trial measured the gradient noise scale" in result.stages[0].summary
+
+
 @given(
     st.integers(1, 4096),
     st.integers(1, 4096),

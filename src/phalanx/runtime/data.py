@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -25,7 +26,7 @@ from phalanx.runtime.pinning import choose_pin, first_batch
 from phalanx.runtime.shares import StreamShare
 from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
 from phalanx.topology import cpu_count
-from phalanx.util.tree import NotConcatenable, check_concatenable, concat_batches, map_tensors
+from phalanx.util.tree import NotConcatenable, check_concatenable, concat_batches, layout, map_tensors, same_layout
 
 # `data.num_workers: auto` never goes above this: each worker holds its own copy of the dataset
 # object, and past a handful of workers most loaders are no longer the bottleneck.
@@ -161,6 +162,7 @@ class DeviceLoader:
         self.last_group = 1  # the loader's batches in the batch handed out last
         self.say = None  # set by the Session: a line for the console (rank 0's)
         self._concat = True  # False once a batch could not be joined: one batch per forward from then on
+        self.join_strictly = False  # set by the Session: ranks must take the same forwards (see _unjoined)
         self._pass_start = 0  # global position where the current pass began
         self._served = 0  # batches handed out in the current pass
         self._passes = 0  # passes started (iterators created)
@@ -225,26 +227,51 @@ class DeviceLoader:
             self.on_iterating(self)
         # Positions, callbacks and waits count batches handed to the user, not batches fetched ahead.
         arriving = staged(batches, self.transfer, ahead=self.fetch_ahead)
-        for batch, handle in arriving:
+        unjoined: deque[Any] = deque()  # taken to join, but shaped unlike the first: one forward each
+        while True:
+            if unjoined:
+                out = unjoined.popleft()
+            else:
+                nxt = next(arriving, None)
+                if nxt is None:
+                    return
+                out = self.transfer.ready(nxt[1])
             if self.stop_when is not None and self.stop_when():
                 return  # the pass ends as at the end of an epoch, so the script's own code after it runs
-            out, taken = self.transfer.ready(handle), 1
-            wanted = self.group() if self.group is not None and self._concat else 1
+            taken = 1
+            wanted = self.group() if self.group is not None and self._concat and not unjoined else 1
             if wanted > 1 and self._joinable(out):
                 # The next batches of this pass join this one (fewer where the pass ends first).
                 parts = [out, *(self.transfer.ready(h) for _, h in itertools.islice(arriving, wanted - 1))]
-                out, taken = concat_batches(parts), len(parts)
+                if same_layout(parts):
+                    out, taken = concat_batches(parts), len(parts)
+                else:
+                    unjoined.extend(self._unjoined(parts)[1:])
+                del parts  # the joined batch alone stays alive through the forward
             if self.on_wait is not None:
                 self.on_wait(time.perf_counter() - requested)
             if self.state is not None:
                 self.state.batch_start = consumed
-                consumed += _batch_len(batch)
+                consumed += _batch_len(out)
             self.last_group = taken
             if self.on_batch is not None:
                 self.on_batch(self)
             self._served += taken
             yield out
             requested = time.perf_counter()
+
+    def _unjoined(self, parts: list[Any]) -> list[Any]:
+        """Batches of different shapes (padded to their own longest sample): one forward each,
+        which is exact, unless ranks must take the same forwards (sharded parameters are gathered
+        in each one), where a rank whose shapes differ would leave the others waiting."""
+        if self.join_strictly:
+            raise PhalanxError(
+                "batch.adaptive: the training loader's batches differ in shape beyond the batch dimension "
+                f"({layout(parts[0])} and {next(layout(p) for p in parts if layout(p) != layout(parts[0]))}), "
+                "so they cannot be joined into one forward, which a strategy that shards parameters needs on "
+                "every rank alike; pad them to one length, or drop batch.max_micro_batch_size"
+            )
+        return parts
 
     def _joinable(self, batch: Any) -> bool:
         try:

@@ -119,6 +119,7 @@ class Session:
         self.state.adaptive = self.adaptive
         self._said_no_noise_scale: str | None = None
         self._forward_micro = 1  # the loader's micro-batches in the current forward (see accumulate)
+        self._joined_batch = 1  # ... in the training batch handed out last, until a forward takes it
         self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
@@ -299,6 +300,7 @@ class Session:
             wrapped.stream.say = self.print  # a stream's incomplete last global batch is dropped with a line
         if train and self.adaptive is not None and wrapped.stream is None:
             wrapped.group, wrapped.say = self._micro_batches_per_forward, self.print
+            wrapped.join_strictly = self.strategy.shards.parameters  # each forward gathers them
         if train:
             wrapped.on_start = lambda _: self.recovery.ensure_resumed()
             wrapped.on_iterating = lambda _: self.state.restore_rng()
@@ -356,6 +358,11 @@ class Session:
         self.compute.before_wrap(model)
         apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
         wrapped = self.strategy.wrap_model(model)
+        if self.batch is not None and self.lr_scaling is not None:
+            # The batch was planned first (a loader set up before the model): wrapping may have
+            # changed where the noise scale can be measured (fsdp finds its reduce-scatter here).
+            self.noise.plan(self.batch)
+            self._say_why_no_noise_scale()
         if self.precision.mode != "fp32":
             wrapped.forward = self.precision.wrap_forward(wrapped.forward, autocast=not self.strategy.handles_precision)
         wrapped = self.compute.after_wrap(wrapped, compile_anyway=compiled)
@@ -483,8 +490,7 @@ class Session:
         self.recovery.beat()
         # A forward may hold several of the loader's micro-batches (batch.adaptive joins them):
         # micro-steps count micro-batches, so the window and the loss's share stay the plan's.
-        loader = self._active_loader
-        self._forward_micro = loader.last_group if loader is not None and loader.group is not None else 1
+        self._forward_micro, self._joined_batch = self._joined_batch, 1
         self.state.micro += self._forward_micro
         self.sync_gradients = self.state.micro >= self.accumulation_steps
         self._in_accumulate = True
@@ -623,6 +629,8 @@ class Session:
     # -- across processes ---------------------------------------------------------------------
     def _on_batch(self, loader: DeviceLoader) -> None:
         self._active_loader = loader
+        if loader.group is not None:  # only a training loader's batches are joined; evaluation's never count
+            self._joined_batch = loader.last_group
         self.recovery.beat()
 
     def reduce(self, value: Any, op: str = "mean") -> Any:

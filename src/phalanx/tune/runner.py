@@ -165,8 +165,8 @@ class _Tuner:
         Below the noise scale a smaller batch needs fewer samples for the same progress, which can
         more than pay for its lower samples/s; the choice weighs both."""
         out: dict[int, Trial] = {}
-        if start.outcome != OK:
-            return out
+        if start.outcome != OK or self._noise_scale([start]) is None:
+            return out  # without a noise scale the choice is by throughput, which a smaller batch never wins
         for factor in (2, 4):
             micro = current.micro // factor
             if current.micro % factor or current.global_batch % factor or micro % multiple:

@@ -51,3 +51,20 @@ def concat_batches(batches: list[Any]) -> Any:
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(concat_batches(list(parts)) for parts in zip(*batches)))
     return type(first)(concat_batches(list(parts)) for parts in zip(*batches))
+
+
+def layout(batch: Any) -> Any:
+    """What must agree for batches to be joined: the structure, and each tensor's shape past the
+    batch dimension, dtype and device."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape[1:]), batch.dtype, batch.device)
+    if isinstance(batch, dict):
+        return {k: layout(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch), [layout(v) for v in batch]
+    return type(batch)  # not joinable anyway (check_concatenable): only never equal to a tensor's
+
+
+def same_layout(batches: list[Any]) -> bool:
+    first = layout(batches[0])
+    return all(layout(b) == first for b in batches[1:])
