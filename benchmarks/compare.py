@@ -38,6 +38,7 @@ from peers import report, summary
 from peers.driver import CONTENDERS, Outcome, config_file, launch, missing_dependency, threads_per_process
 from peers.targets import TASKS
 from peers.workloads import WORKLOADS
+from sections import put_section
 
 THROUGHPUT_CONTENDERS = "raw,phalanx,phalanx-preset,accelerate,fabric"
 TARGET_CONTENDERS = "raw,phalanx,phalanx-tuned,phalanx-time,phalanx-adaptive"
@@ -361,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(data_file.read_text(encoding="utf-8")) if data_file.is_file() else {}
     data[key] = section
     data_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    (out / "benchmarks.md").write_text(report.render(data), encoding="utf-8")
+    lines = report.section_lines(key, section)
+    put_section(out / "benchmarks.md", lines[0], "\n".join(lines) + "\n", lambda: report.render(data))
     readings = section["readings"]
     for line in (
         [f"{w}, {line}" for w, lines in readings.items() for line in lines] if isinstance(readings, dict) else readings

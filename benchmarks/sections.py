@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 METHOD = "\n## How it is measured"  # the last section of the page: a new one goes before it
@@ -97,9 +97,17 @@ def write_section(
     data[key] = section
     data_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     page = out / "benchmarks.md"
-    text = page.read_text(encoding="utf-8") if page.is_file() else report.render(data)
-    block = "\n".join([title, "", *report._header(section), *section["lines"], ""]) + "\n"
-    if title in text:  # replace this section only: notes written by hand into the others stay
+    block = "\n".join([title, "", *report.header(section), *section["lines"], ""]) + "\n"
+    put_section(page, title, block, lambda: report.render(data))
+    print(f"wrote {page}, {data_file}")
+
+
+def put_section(page: Path, title: str, block: str, whole: Callable[[], str]) -> None:
+    """Writes ``block`` (starting with ``title``) into ``page`` in place of the section of that
+    title, before the method section if the page has none; ``whole()`` renders the page when there
+    is none yet. Only this section changes: notes written by hand into the others stay."""
+    text = page.read_text(encoding="utf-8") if page.is_file() else whole()
+    if title in text:
         start = text.index(title)
         end = text.find("\n## ", start + len(title))
         text = text[:start] + block + (text[end + 1 :] if end >= 0 else "")
@@ -109,4 +117,3 @@ def write_section(
     else:
         text = text.rstrip("\n") + "\n\n" + block
     page.write_text(text, encoding="utf-8")
-    print(f"wrote {page}, {data_file}")

@@ -92,22 +92,27 @@ def render(data: dict) -> str:
     if "startup" in data:
         out += startup_section(data["startup"])
     if "large_model_setup" in data:  # written by benchmarks/large_model_setup.py
-        out += ["## Large-model set-up (issue 12)", ""] + _header(data["large_model_setup"])
+        out += ["## Large-model set-up (issue 12)", ""] + header(data["large_model_setup"])
         out += data["large_model_setup"]["lines"] + [""]
     if "noise_overhead" in data:  # written by benchmarks/noise_overhead.py
-        out += ["## Gradient noise scale: overhead (issue 13)", ""] + _header(data["noise_overhead"])
+        out += ["## Gradient noise scale: overhead (issue 13)", ""] + header(data["noise_overhead"])
         out += data["noise_overhead"]["lines"] + [""]
     out += _method()
     return "\n".join(out) + "\n"
 
 
+def section_lines(key: str, section: dict) -> list[str]:
+    """The lines of compare.py's own section ``key`` ("throughput" or "time_to_target"), its title first."""
+    return (_throughput if key == "throughput" else _time_to_target)(section)
+
+
 def startup_section(s: dict) -> list[str]:
     """Written by benchmarks/startup.py: where a launch spends its time before the first step."""
     title = "## Start-up before the first step: phalanx launch against torchrun, phase by phase"
-    return [title, ""] + _header(s) + s["lines"] + [""]
+    return [title, ""] + header(s) + s["lines"] + [""]
 
 
-def _header(section: dict) -> list[str]:
+def header(section: dict) -> list[str]:
     return [
         f"- date: {section['date']}",
         f"- machine: {describe_machine(section['machine'])}",
@@ -118,7 +123,7 @@ def _header(section: dict) -> list[str]:
 
 
 def _throughput(t: dict) -> list[str]:
-    out = ["## Throughput", ""] + _header(t)
+    out = ["## Throughput", ""] + header(t)
     for workload in t["workloads"]:
         rows = [r for r in t["rows"] if r["workload"] == workload]
         title = next((r["title"] for r in rows if r.get("title")), workload)
@@ -162,7 +167,7 @@ def _throughput(t: dict) -> list[str]:
 
 
 def _time_to_target(t: dict) -> list[str]:
-    out = ["## Time to target", ""] + _header(t)
+    out = ["## Time to target", ""] + header(t)
     out += [
         "| task | contender | processes | target accuracy | reached | seconds to target (median) | vs raw DDP | "
         "samples | eval s | launch s | batch split |",
