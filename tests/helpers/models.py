@@ -79,3 +79,28 @@ def make_optim(model: nn.Module):
     """The SGD optimizer and StepLR schedule that train() and reference() use by default."""
     optimizer = make_optimizer("sgd", model.parameters())
     return optimizer, step_schedule(optimizer)
+
+
+class Scale(nn.Module):
+    """Parameters and no reset_parameters(): nothing can initialise them after init_module()."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output layer, as language models are."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x)))

@@ -14,6 +14,7 @@ from torch import nn
 from phalanx import Config, Session
 from phalanx.errors import PhalanxError
 from phalanx.strategies.construction import empty_parameters, is_deferred
+from tests.helpers.models import Scale, TiedLM
 
 STRATEGIES = ["single", "ddp", "zero1", "fsdp", "model_parallel", "dp"]
 
@@ -27,17 +28,6 @@ class Rotary(nn.Module):
 
     def forward(self, x):
         return x * self.freqs.repeat(2)
-
-
-class Scale(nn.Module):
-    """Parameters and no reset_parameters(): nothing can initialise them after init_module()."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(width))
-
-    def forward(self, x):
-        return x * self.gain
 
 
 def _model(extra: nn.Module | None = None) -> nn.Sequential:
@@ -203,24 +193,12 @@ def test_activation_checkpointing_does_not_change_the_initial_weights(strategy):
     session.close()
 
 
-class _TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.body = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 10, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, x):
-        return self.head(self.body(self.embed(x)))
-
-
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_a_tied_weight_gets_the_same_init_under_every_strategy(strategy):
     def initial(name):
         session = _session(name)
         with session.init_module():
-            model = _TiedLM()
+            model = TiedLM()
         model = session.setup(model)
         state = {k: v.clone() for k, v in session.model_state_dict(model).items()}
         model(torch.tensor([[1, 2]]))  # nothing left uninitialised

@@ -11,6 +11,7 @@ from torch import nn
 
 from phalanx import Config, Session
 from phalanx.errors import PhalanxError
+from tests.helpers.models import Scale, TiedLM
 
 
 def _model() -> nn.Sequential:
@@ -111,24 +112,16 @@ def test_any_partial_or_reshaped_state_dict_loads_or_is_one_line(keys, rows):
 
 
 def test_a_file_without_the_tied_copy_loads_strictly_and_once():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(10, 4)
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.embed.weight
-
     session = _session()
-    model = session.setup(Tied())
-    weights = {"embed.weight": torch.arange(40.0).view(10, 4)}  # as Hugging Face files leave the head out
+    model = session.setup(TiedLM())
+    # As Hugging Face files leave the head out: the tied copy is not in the file.
+    weights = {"embed.weight": torch.arange(40.0).view(10, 4), "body.weight": torch.eye(4), "body.bias": torch.zeros(4)}
     session.load_weights(weights)
     assert torch.equal(model.head.weight, weights["embed.weight"]) and model.head.weight is model.embed.weight
     session.close()
 
 
 def test_the_uninitialised_guard_is_per_model():
-    from tests.unit.test_deferred_construction import Scale
-
     session = _session()
     with session.init_module():
         deferred = nn.Sequential(nn.Linear(6, 4), Scale(4))
