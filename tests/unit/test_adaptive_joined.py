@@ -21,32 +21,28 @@ def _data() -> TensorDataset:
     return TensorDataset(x, x.sum(1, keepdim=True) + 30.0 * torch.randn(1024, 1, generator=g))  # B_noise ~ 900
 
 
-class _Labelled(Dataset):
+class _Mapped(Dataset):
+    """_data()'s samples, each passed through ``sample(i, x, y)``."""
+
+    def __init__(self, sample):
+        self.inner, self.sample = _data(), sample
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.sample(i, *self.inner[i])
+
+
+def _labelled() -> Dataset:
     """(x, y, name): a string per sample, which collates to a list of strings."""
-
-    def __init__(self):
-        self.inner = _data()
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __getitem__(self, i):
-        x, y = self.inner[i]
-        return x, y, f"sample-{i}"
+    return _Mapped(lambda i, x, y: (x, y, f"sample-{i}"))
 
 
-class _Padded(Dataset):
-    """Variable-length samples, padded per batch to the batch's longest (a text loader's collate)."""
-
-    def __init__(self):
-        self.inner = _data()
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __getitem__(self, i):
-        x, y = self.inner[i]
-        return torch.cat([x, torch.zeros(1 if i % 16 == 0 else 0)]), y  # 4 of 10 batches of 8 are longer
+def _padded() -> Dataset:
+    """Variable-length samples, padded per batch to the batch's longest (a text loader's collate):
+    4 of 10 batches of 8 are one longer."""
+    return _Mapped(lambda i, x, y: (torch.cat([x, torch.zeros(1 if i % 16 == 0 else 0)]), y))
 
 
 def _pad(samples):
@@ -141,8 +137,8 @@ def test_an_evaluation_between_a_batch_and_its_forward_changes_nothing(tmp_path)
 
 
 def test_batches_of_different_shapes_take_one_forward_each(tmp_path):
-    joined = _train(_Padded(), tmp_path / "joined", collate=_pad, model=_FirstFour, max_micro_batch_size=16)
-    plain = _train(_Padded(), tmp_path / "plain", collate=_pad, model=_FirstFour)
+    joined = _train(_padded(), tmp_path / "joined", collate=_pad, model=_FirstFour, max_micro_batch_size=16)
+    plain = _train(_padded(), tmp_path / "plain", collate=_pad, model=_FirstFour)
     assert joined["history"] and joined["steps"] == plain["steps"] and sum(joined["sizes"]) == sum(plain["sizes"])
     assert max(joined["sizes"]) > 4 and len(joined["sizes"]) < len(plain["sizes"])  # joined where shapes agree
     for a, b in zip(plain["weights"], joined["weights"]):
@@ -153,7 +149,7 @@ def test_batches_of_different_shapes_are_refused_where_ranks_must_take_the_same_
     from phalanx.errors import PhalanxError
     from phalanx.runtime.data import DeviceLoader
 
-    loader = DataLoader(_Padded(), batch_size=8, collate_fn=_pad)  # in order: every other batch is longer
+    loader = DataLoader(_padded(), batch_size=8, collate_fn=_pad)  # in order: every other batch is longer
     wrapped = DeviceLoader(loader, None, torch.device("cpu"), train=True, non_blocking=False)
     wrapped.group, wrapped.join_strictly = (lambda: 3), True
     with pytest.raises(PhalanxError, match=r"^batch.adaptive: the training loader's batches differ in shape"):
@@ -173,7 +169,7 @@ def test_the_noise_scale_goes_on_from_joined_forwards(tmp_path):
 
 
 def test_batches_that_cannot_be_joined_keep_one_micro_batch_per_forward(tmp_path, capsys):
-    joined = _train(_Labelled(), tmp_path, max_micro_batch_size=16)
+    joined = _train(_labelled(), tmp_path, max_micro_batch_size=16)
     assert joined["history"] and set(joined["sizes"]) == {4}
     lines = [line for line in capsys.readouterr().out.splitlines() if "cannot join" in line]
     assert lines == [
