@@ -174,11 +174,12 @@ def config_file(
     import yaml
 
     from phalanx.config.loader import read_file  # YAML or TOML, as phalanx reads it
+    from phalanx.config.sections import flatten
 
     for option, key in contender.borrows:
         given = (files or {}).get(option) or {}
         source = given.get(name, given.get(None))
-        value = _lookup(read_file(source) or {}, key) if source else None
+        value = flatten(read_file(source) or {}).get(key) if source else None
         if value is not None:
             entries.append((key, value))
     tree = dict(read_file(own) or {}) if own else {}
@@ -191,13 +192,6 @@ def config_file(
     path = directory / (f"{contender.name}-{name}.yaml" if name else f"{contender.name}.yaml")
     path.write_text(yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
     return str(path)
-
-
-def _lookup(tree: dict, key: str) -> object | None:
-    node: object = tree
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
 
 
 def launch(

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from phalanx import Config, Session
-from phalanx.util.tree import NotConcatenable, check_concatenable, concat_batches
+from phalanx.util.tree import NotConcatenable, concat_batches, layout
 
 
 def _data() -> TensorDataset:
@@ -194,7 +194,7 @@ _leaves = st.integers(1, 3).map(lambda n: torch.arange(n * 2.0).reshape(n, 2))
 )
 def test_a_joined_batch_holds_each_batch_in_order(batch, count):
     batches = [_scaled(batch, i + 1) for i in range(count)]
-    check_concatenable(batch)
+    layout(batch)  # joinable
     joined = concat_batches(batches)
     assert _leaves_of(joined) == [torch.cat(parts).tolist() for parts in zip(*map(_leaves_of_tensors, batches))]
 
@@ -202,7 +202,7 @@ def test_a_joined_batch_holds_each_batch_in_order(batch, count):
 @pytest.mark.parametrize("leaf", ["text", 3, 2.5, torch.tensor(1.0), None])
 def test_anything_but_batched_tensors_cannot_be_joined(leaf):
     with pytest.raises(NotConcatenable):
-        check_concatenable((torch.zeros(2, 1), [leaf]))
+        layout((torch.zeros(2, 1), [leaf]))
 
 
 def _scaled(batch, factor):

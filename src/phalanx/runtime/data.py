@@ -26,7 +26,7 @@ from phalanx.runtime.pinning import choose_pin, first_batch
 from phalanx.runtime.shares import StreamShare
 from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
 from phalanx.topology import cpu_count
-from phalanx.util.tree import NotConcatenable, check_concatenable, concat_batches, layout, map_tensors, same_layout
+from phalanx.util.tree import NotConcatenable, concat_batches, layout, map_tensors, same_layout
 
 # `data.num_workers: auto` never goes above this: each worker holds its own copy of the dataset
 # object, and past a handful of workers most loaders are no longer the bottleneck.
@@ -240,14 +240,16 @@ class DeviceLoader:
                 return  # the pass ends as at the end of an epoch, so the script's own code after it runs
             taken = 1
             wanted = self.group() if self.group is not None and self._concat and not unjoined else 1
-            if wanted > 1 and self._joinable(out):
+            shape = self._joinable(out) if wanted > 1 else None
+            if shape is not None:
                 # The next batches of this pass join this one (fewer where the pass ends first).
-                parts = [out, *(self.transfer.ready(h) for _, h in itertools.islice(arriving, wanted - 1))]
-                if same_layout(parts):
-                    out, taken = concat_batches(parts), len(parts)
+                rest = [self.transfer.ready(h) for _, h in itertools.islice(arriving, wanted - 1)]
+                if same_layout(shape, rest):
+                    out, taken = concat_batches([out, *rest]), 1 + len(rest)
                 else:
-                    unjoined.extend(self._unjoined(parts)[1:])
-                del parts  # the joined batch alone stays alive through the forward
+                    self._refuse_unjoined(shape, rest)
+                    unjoined.extend(rest)
+                del rest  # the joined batch alone stays alive through the forward
             if self.on_wait is not None:
                 self.on_wait(time.perf_counter() - requested)
             if self.state is not None:
@@ -260,22 +262,27 @@ class DeviceLoader:
             yield out
             requested = time.perf_counter()
 
-    def _unjoined(self, parts: list[Any]) -> list[Any]:
-        """Batches of different shapes (padded to their own longest sample): one forward each,
+    def _refuse_unjoined(self, shape: Any, rest: list[Any]) -> None:
+        """Batches of different shapes (padded to their own longest sample) take one forward each,
         which is exact, unless ranks must take the same forwards (sharded parameters are gathered
         in each one), where a rank whose shapes differ would leave the others waiting."""
         if self.join_strictly:
+            other = next(b for b in rest if not same_layout(shape, [b]))
+            try:
+                theirs = layout(other)
+            except NotConcatenable as why:
+                theirs = str(why)
             raise PhalanxError(
                 "batch.adaptive: the training loader's batches differ in shape beyond the batch dimension "
-                f"({layout(parts[0])} and {next(layout(p) for p in parts if layout(p) != layout(parts[0]))}), "
+                f"({shape} and {theirs}), "
                 "so they cannot be joined into one forward, which a strategy that shards parameters needs on "
                 "every rank alike; pad them to one length, or drop batch.max_micro_batch_size"
             )
-        return parts
 
-    def _joinable(self, batch: Any) -> bool:
+    def _joinable(self, batch: Any) -> Any:
+        """The batch's layout, or None (and no joining from here on) when it cannot be joined."""
         try:
-            check_concatenable(batch)
+            return layout(batch)
         except NotConcatenable as why:
             # Every rank's batches have the same structure, so every rank stops joining here.
             self._concat = False
@@ -284,8 +291,7 @@ class DeviceLoader:
                     f"phalanx: batch.adaptive: the loader's batches hold {why}, which phalanx cannot join "
                     "into a larger batch; each forward stays one micro-batch (a step takes more of them)"
                 )
-            return False
-        return True
+            return None
 
 
 def shard_loader(

@@ -33,7 +33,6 @@ class NoiseProbe:
         self.estimate: NoiseScale | None = None
         self.why_not: str | None = None  # why this run has no estimate, once the batch is planned
         self._source: str | None = None  # where the small batch's gradient is read (see plan)
-        self._micro = 0  # samples per micro-batch per rank, of the plan
         self._small: torch.Tensor | None = None
         self._pending: dict[str, Any] | None = None  # a checkpoint's state, until the batch is planned
 
@@ -43,7 +42,6 @@ class NoiseProbe:
         if not self.settings.noise_scale:
             return
         dp = self.strategy.data_parallel_size
-        self._micro = batch.micro_batch_size
         if batch.accumulation_steps > 1 and self.strategy.local_micro_step_gradients:
             # The widest ratio of the two batches: one micro-batch against the global batch.
             self._source, small = "micro-step", batch.micro_batch_size
@@ -94,15 +92,15 @@ class NoiseProbe:
     def after_backward(self, step: int, first: bool, joined: int, accumulation: int, sync: bool, scaler: Any) -> None:
         """``first``: the step's first forward, over ``joined`` micro-batches (batch.adaptive joins
         them) of the step's ``accumulation``; ``scaler``: fp16's GradScaler (gradients are scaled
-        until the step) or None."""
+        until the step) or None. The Session keeps an estimating step's first forward to one
+        micro-batch (wants_one_micro_batch_first), so the small batch is the plan's micro-batch."""
         if not self.measuring(step):
             return
         scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        if self._source == "micro-step" and first and joined < accumulation:
-            # The loss was divided by accumulation / joined: the forward's own mean gradient is
-            # the accumulated one times that.
-            self._small = self.strategy.gradient_sq(self._models) * (accumulation / joined / scale) ** 2
-            self.estimate.small = self._micro * joined
+        if self._source == "micro-step" and first and joined == 1:
+            # The loss was divided by the accumulation steps: the micro-batch's own mean gradient
+            # is the accumulated one times that.
+            self._small = self.strategy.gradient_sq(self._models) * (accumulation / scale) ** 2
         if not sync:
             return
         if self._source == "comm hook":

@@ -23,26 +23,9 @@ class NotConcatenable(Exception):
     """A batch holds something other than tensors with a batch dimension."""
 
 
-def check_concatenable(batch: Any) -> None:
-    """Raises NotConcatenable, naming the first leaf that is not a tensor with a batch dimension
-    (a string, a number, a 0-d tensor): its meaning for a larger batch is the script's, not phalanx's."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            raise NotConcatenable("a 0-d tensor")
-        return
-    if isinstance(batch, dict):
-        values = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        values = batch
-    else:
-        raise NotConcatenable(f"a {type(batch).__name__}")
-    for value in values:
-        check_concatenable(value)
-
-
 def concat_batches(batches: list[Any]) -> Any:
-    """One batch of the samples of ``batches`` (the same structure each, see check_concatenable),
-    in order: their tensors joined on the first dimension."""
+    """One batch of the samples of ``batches`` (the same layout each, see layout), in order: their
+    tensors joined on the first dimension."""
     first = batches[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(batches)
@@ -55,16 +38,23 @@ def concat_batches(batches: list[Any]) -> Any:
 
 def layout(batch: Any) -> Any:
     """What must agree for batches to be joined: the structure, and each tensor's shape past the
-    batch dimension, dtype and device."""
+    batch dimension, dtype and device. Raises NotConcatenable, naming the first leaf that is not a
+    tensor with a batch dimension (a string, a number, a 0-d tensor): its meaning for a larger
+    batch is the script's, not phalanx's."""
     if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise NotConcatenable("a 0-d tensor")
         return (tuple(batch.shape[1:]), batch.dtype, batch.device)
     if isinstance(batch, dict):
         return {k: layout(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch), [layout(v) for v in batch]
-    return type(batch)  # not joinable anyway (check_concatenable): only never equal to a tensor's
+    raise NotConcatenable(f"a {type(batch).__name__}")
 
 
-def same_layout(batches: list[Any]) -> bool:
-    first = layout(batches[0])
-    return all(layout(b) == first for b in batches[1:])
+def same_layout(first: Any, batches: list[Any]) -> bool:
+    """Whether every one of ``batches`` has the layout ``first`` (a layout() result)."""
+    try:
+        return all(layout(b) == first for b in batches)
+    except NotConcatenable:
+        return False
