@@ -15,7 +15,7 @@ import phalanx
 from phalanx.config.loader import load_config
 from phalanx.config.schema import DataConfig
 from phalanx.errors import ConfigError
-from phalanx.metrics.report import DATA_WAIT_HINT, data_wait_hint, report_run
+from phalanx.metrics.summary_display import DATA_WAIT_HINT, data_wait_hint, report_run
 from phalanx.runtime.data import MAX_AUTO_WORKERS, auto_workers, shard_loader
 from phalanx.runtime.progress import Throughput, _status, track
 from phalanx.runtime.transfer import PlainTransfer, staged

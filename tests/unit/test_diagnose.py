@@ -28,7 +28,7 @@ from phalanx.diagnose.doctor import DoctorOptions, DoctorReport, LivePlan, LiveR
 from phalanx.diagnose.facts import UNLIMITED, Facts
 from phalanx.diagnose.links import expectation
 from phalanx.diagnose.nvidia import DriverView, Gpu, GpuProcess, ToolError, driver_view, parse_topology
-from phalanx.diagnose.report import doctor_json, env_report, env_text
+from phalanx.diagnose.printout import doctor_json, env_report, env_text
 from phalanx.errors import PhalanxError
 from phalanx.util.units import GIB, MIB
 from tests.helpers.diagnose import ALL_CHECKS, GPU_CHECKS

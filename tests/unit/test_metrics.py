@@ -14,7 +14,7 @@ from torch import nn
 from phalanx import Topology
 from phalanx.metrics.flops import count_on_first_forward, flops_per_sample, peak_flops_per_s
 from phalanx.metrics.recorder import StepRecorder
-from phalanx.metrics.report import verdict
+from phalanx.metrics.summary_display import verdict
 from phalanx.metrics.straggler import MIN_STEPS, WARMUP_STEPS, find_straggler
 from phalanx.metrics.summary import percentile, read_records, summarize
 from tests.helpers.metrics import FIELDS, run_session

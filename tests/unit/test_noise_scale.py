@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from phalanx import Config, Session
-from phalanx.metrics.report import noise_line
+from phalanx.metrics.summary_display import noise_line
 from phalanx.runtime.noise_scale import NoiseScale, describe, efficiency
 
 

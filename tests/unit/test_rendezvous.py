@@ -100,7 +100,7 @@ def test_timed_saves_and_stop_requests_come_out_of_the_step_agreement():
 
     import torch
 
-    from phalanx.faults.control import StepAgreement
+    from phalanx.faults.agreement import StepAgreement
 
     agreement = StepAgreement(1, torch.device("cpu"), save_period_s=0.05)
     assert agreement.poll(1, stop_requested=False) == (False, False)

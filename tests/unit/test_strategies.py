@@ -70,7 +70,7 @@ def test_pipeline_needs_a_sequential_model():
 
 
 def test_deferred_output_refuses_reads_and_finds_the_target():
-    from phalanx.strategies.deferred import DeferredOutput
+    from phalanx.strategies.pipeline_output import DeferredOutput
 
     out = DeferredOutput((torch.zeros(4, 3),))
     with pytest.raises(phalanx.PhalanxError, match="exists only on the last stage"):

@@ -9,7 +9,7 @@ from phalanx.cli.console import console
 from phalanx.config.loader import DEFAULT_FILE, load_config
 from phalanx.diagnose.doctor import DoctorOptions, run_doctor
 from phalanx.diagnose.facts import gather_facts
-from phalanx.diagnose.report import doctor_json, doctor_renderables, env_report, env_text
+from phalanx.diagnose.printout import doctor_json, doctor_renderables, env_report, env_text
 from phalanx.errors import PhalanxError
 from phalanx.topology import LaunchContext
 

@@ -28,7 +28,7 @@ from phalanx.launch.outcome import report_failure, report_preemption
 from phalanx.launch.preflight import check_output_dirs, check_script
 from phalanx.launch.rendezvous import Rendezvous, plan_rendezvous
 from phalanx.metrics.profile import ProfileWindow
-from phalanx.metrics.report import report_run
+from phalanx.metrics.summary_display import report_run
 from phalanx.strategies import check_combination, strategy_class
 from phalanx.topology import LaunchContext, cpu_count, slurm_job, user_omp_threads, visible_cuda_devices
 

@@ -166,7 +166,7 @@ class StepRecorder:
         if self._summary_at_close:
             summary = summarize({self.rank: list(self.records)}, self._flops_facts())
             if summary is not None:
-                from phalanx.metrics.report import data_wait_hint, noise_line, one_line
+                from phalanx.metrics.summary_display import data_wait_hint, noise_line, one_line
 
                 print(one_line(summary), flush=True)
                 for hint in (data_wait_hint(summary), noise_line(summary)):

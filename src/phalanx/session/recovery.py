@@ -18,7 +18,7 @@ from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
 from phalanx.config.schema import Config, parse_period
 from phalanx.errors import PhalanxError
 from phalanx.faults import markers
-from phalanx.faults.control import StepAgreement
+from phalanx.faults.agreement import StepAgreement
 from phalanx.faults.preempt import TermWatch
 from phalanx.faults.watchdog import Watchdog
 from phalanx.session.state import TrainState

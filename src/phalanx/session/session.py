@@ -54,7 +54,7 @@ from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.guards import PortingGuards
 from phalanx.session.layout import LayoutLock
 from phalanx.session.limit import StepLimit
-from phalanx.session.manual import GradientKeeping
+from phalanx.session.gradients import GradientKeeping
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState

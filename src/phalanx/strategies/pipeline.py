@@ -4,7 +4,7 @@ stages under a GPipe or 1F1B schedule.
 
 The model must be an ``nn.Sequential`` (its forward applies its children in order), so each
 process can keep only its own run of children. ``model(x)`` returns a deferred output; the loss
-code is replayed on the last stage by the schedule (see deferred.py), so the training loop is the
+code is replayed on the last stage by the schedule (see pipeline_output.py), so the training loop is the
 same as for every other strategy.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 from phalanx.config.schema import PipelineConfig
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.strategies.base import Sharding, Strategy
-from phalanx.strategies.deferred import DeferredOutput
+from phalanx.strategies.pipeline_output import DeferredOutput
 from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
 from phalanx.strategies.surface import ModelSurface
 from phalanx.util.optim import rebuild_arguments
