@@ -3,6 +3,9 @@ off every rank's stack dump, whichever rank's watchdog fired first."""
 
 from __future__ import annotations
 
+import os
+import runpy
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -11,30 +14,34 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import phalanx
 from phalanx.faults.watchdog import Watchdog, classify, parse_stack
 from phalanx.launch.outcome import hang_summary, report_hang
 
-SITE = "/venv/lib/python3.11/site-packages"
-C10D = f"{SITE}/torch/distributed/distributed_c10d.py"
-LOGGER = f"{SITE}/torch/distributed/c10d_logger.py"
+# Library frames are told apart by module identity, so the stacks below name the real package
+# directories of torch and phalanx and the real standard library.
+TORCH = os.path.dirname(torch.__file__)
+PHALANX = os.path.dirname(phalanx.__file__)
+C10D = f"{TORCH}/distributed/distributed_c10d.py"
+LOGGER = f"{TORCH}/distributed/c10d_logger.py"
 WORKER = [
-    (f"{SITE}/phalanx/launch/worker.py", 120, "main", "runpy.run_path(script, run_name='__main__')"),
+    (f"{PHALANX}/launch/worker.py", 120, "main", "runpy.run_path(script, run_name='__main__')"),
     ("<frozen runpy>", 291, "run_path", None),
     ("<frozen runpy>", 98, "_run_module_code", None),
 ]
 IN_ALL_REDUCE = [
     ("/job/train.py", 30, "<module>", "session.reduce(loss)"),
-    (f"{SITE}/phalanx/session/session.py", 463, "reduce", "return collectives.reduce(value, op)"),
-    (f"{SITE}/phalanx/session/collectives.py", 25, "reduce", "dist.all_reduce(tensor)"),
+    (f"{PHALANX}/session/session.py", 463, "reduce", "return collectives.reduce(value, op)"),
+    (f"{PHALANX}/session/collectives.py", 25, "reduce", "dist.all_reduce(tensor)"),
     (LOGGER, 83, "wrapper", "return func(*args, **kwargs)"),
     (C10D, 2806, "all_reduce", "work.wait()"),
 ]
 IN_BACKWARD = [
     ("/job/train.py", 21, "<module>", "session.backward(loss)"),
-    (f"{SITE}/phalanx/session/session.py", 380, "backward", "loss.backward()"),
-    (f"{SITE}/torch/_tensor.py", 623, "backward", "torch.autograd.backward("),
-    (f"{SITE}/torch/autograd/__init__.py", 347, "backward", "_engine_run_backward("),
-    (f"{SITE}/torch/autograd/graph.py", 825, "_engine_run_backward", "return Variable._execution_engine.run_backward("),
+    (f"{PHALANX}/session/session.py", 380, "backward", "loss.backward()"),
+    (f"{TORCH}/_tensor.py", 623, "backward", "torch.autograd.backward("),
+    (f"{TORCH}/autograd/__init__.py", 347, "backward", "_engine_run_backward("),
+    (f"{TORCH}/autograd/graph.py", 825, "_engine_run_backward", "return Variable._execution_engine.run_backward("),
 ]
 ASLEEP = [("/job/train.py", 42, "<module>", "time.sleep(600)")]
 
@@ -86,12 +93,12 @@ def test_ranks_inside_communication_are_waiting_and_a_rank_in_its_own_code_is_no
 def test_fsdp_and_ddp_forward_communication_count_as_waiting():
     fsdp = [
         ("/job/train.py", 20, "<module>", "loss = model(x)"),
-        (f"{SITE}/torch/nn/modules/module.py", 1773, "_call_impl", "return forward_call(*args, **kwargs)"),
-        (f"{SITE}/torch/distributed/fsdp/_fully_shard/_fsdp_state.py", 230, "_pre_forward", "self._lazy_init()"),
+        (f"{TORCH}/nn/modules/module.py", 1773, "_call_impl", "return forward_call(*args, **kwargs)"),
+        (f"{TORCH}/distributed/fsdp/_fully_shard/_fsdp_state.py", 230, "_pre_forward", "self._lazy_init()"),
     ]
     ddp = [
         ("/job/train.py", 20, "<module>", "loss = model(x)"),
-        (f"{SITE}/torch/nn/parallel/distributed.py", 1637, "forward", "inputs, kwargs = self._pre_forward(*inputs)"),
+        (f"{TORCH}/nn/parallel/distributed.py", 1637, "forward", "inputs, kwargs = self._pre_forward(*inputs)"),
     ]
     assert classify(frames_of(fsdp)).describe() == "torch.distributed.fsdp communication (<module> at /job/train.py:20)"
     assert classify(frames_of(ddp)).op == "DistributedDataParallel" and classify(frames_of(ddp)).waiting
@@ -100,12 +107,12 @@ def test_fsdp_and_ddp_forward_communication_count_as_waiting():
 def test_writing_a_checkpoint_or_reading_a_batch_is_a_rank_s_own_work():
     dcp = [
         ("/job/train.py", 50, "<module>", "session.save()"),
-        (f"{SITE}/torch/distributed/checkpoint/filesystem.py", 300, "_write_files_from_queue", "stream.write(data)"),
+        (f"{TORCH}/distributed/checkpoint/filesystem.py", 300, "_write_files_from_queue", "stream.write(data)"),
     ]
     loader = [
         ("/job/train.py", 18, "<module>", "for x, y in session.progress(loader):"),
-        (f"{SITE}/torch/utils/data/dataloader.py", 1320, "_get_data", "success, data = self._try_get_data()"),
-        ("/usr/lib/python3.11/threading.py", 331, "wait", "gotit = waiter.acquire(True, timeout)"),
+        (f"{TORCH}/utils/data/dataloader.py", 1320, "_get_data", "success, data = self._try_get_data()"),
+        (threading.__file__, 331, "wait", "gotit = waiter.acquire(True, timeout)"),
     ]
     assert not classify(frames_of(dcp)).waiting and not classify(frames_of(loader)).waiting
 
@@ -122,6 +129,31 @@ def test_a_real_collective_frame_is_a_collective():
         "all_reduce",
         "test_a_real_collective_frame_is_a_collective",
     )
+
+
+@pytest.mark.parametrize("folder", ["phalanx", "torch", "phalanx/src/phalanx", "torch/distributed"])
+def test_user_code_in_a_folder_named_like_a_library_is_the_user_s(tmp_path, folder):
+    # A clone named `phalanx` (what `git clone` gives it) or a user's ~/torch/train.py: the frames
+    # are real, from a script run out of such a folder, stuck in a real collective.
+    script = tmp_path / folder / "train.py"
+    script.parent.mkdir(parents=True)
+    script.write_text(
+        "import torch\nimport torch.distributed as dist\n\n\ndef step():\n    dist.all_reduce(torch.ones(1))\n"
+    )
+    step = runpy.run_path(str(script))["step"]
+    with pytest.raises(ValueError) as raised:
+        step()
+    frames = traceback.extract_stack() + traceback.extract_tb(raised.value.__traceback__)
+    wait = classify(frames)
+    assert (wait.kind, wait.op, wait.frame.name, wait.frame.filename) == (
+        "collective",
+        "all_reduce",
+        "step",
+        str(script),
+    )
+    inside = next(i for i, frame in enumerate(frames) if frame.filename == str(script))
+    busy = classify(frames[: inside + 1])  # the same rank, stuck in its own code instead
+    assert (busy.kind, busy.frame.filename) == ("code", str(script))
 
 
 def test_a_real_backward_is_a_gradient_exchange_but_a_user_autograd_function_is_user_code():
@@ -205,7 +237,7 @@ def test_every_rank_in_the_same_collective_is_said_honestly():
 def test_mismatched_collectives_are_said_honestly():
     barrier = [
         ("/job/train.py", 35, "<module>", "session.barrier()"),
-        (f"{SITE}/phalanx/session/session.py", 476, "barrier", "dist.barrier()"),
+        (f"{PHALANX}/session/session.py", 476, "barrier", "dist.barrier()"),
         (LOGGER, 83, "wrapper", "return func(*args, **kwargs)"),
         (C10D, 4150, "barrier", "work.wait()"),
     ]

@@ -10,9 +10,12 @@ within a second and dump their own stacks too, so the user sees every rank, not 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import os
 import re
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -26,15 +29,20 @@ from phalanx.faults.markers import HANG_EXIT, hang_dump
 # after this long (or hang_timeout, if longer).
 IO_TIMEOUT_S = 1800.0
 
-# Frames in these files are the library, not the place the user's code is stuck.
-_LIBRARY = (os.sep + "torch" + os.sep, os.sep + "phalanx" + os.sep, "threading.py", "runpy.py")
+# Where a frame's file lies, by module identity: the directories of torch and phalanx as imported
+# here, and the standard library's own. A path substring would not do: a clone named `phalanx` or a
+# user's `~/torch/train.py` would then count as library, and a hang report would name a wrong frame.
+# Paths relative to torch's package directory:
 _C10D = os.path.join("distributed", "distributed_c10d.py")
-_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+_TORCH_DISTRIBUTED = "distributed" + os.sep
+_AUTOGRAD = "autograd" + os.sep
 # torch.distributed packages whose frames are not communication: writing a checkpoint is the
 # disk's pace (its collectives show as c10d frames), the elastic agent is not in a worker's stack.
 _NOT_COMMUNICATION = ("checkpoint", "elastic", "launcher")
 # DDP's forward broadcasts buffers through calls that leave no Python frame in torch.distributed.
 _DDP = os.path.join("nn", "parallel", "distributed.py")
+# Installed packages live below the standard library's directory on some layouts; they are not it.
+_SITE_DIRS = ("site-packages", "dist-packages")
 
 
 class Watchdog:
@@ -218,10 +226,10 @@ def classify(frames: list[traceback.FrameSummary]) -> Wait:
     inner = frames[user + 1 :] if user is not None else frames
     here = frames[user] if user is not None else (frames[-1] if frames else None)
     for entry in reversed(inner):
-        if entry.filename.endswith(_C10D) and not entry.name.startswith("_"):
+        if _torch_relative(entry.filename) == _C10D and not entry.name.startswith("_"):
             return Wait("collective", entry.name, here)
     for entry in reversed(inner):
-        if os.sep + "autograd" + os.sep in entry.filename:
+        if (_torch_relative(entry.filename) or "").startswith(_AUTOGRAD):
             return Wait("backward", "backward", here)
     for entry in reversed(inner):
         package = _distributed_package(entry.filename)
@@ -256,15 +264,56 @@ def parse_stack(text: str) -> list[traceback.FrameSummary]:
     return frames
 
 
+@functools.lru_cache(maxsize=1)
+def _roots() -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
+    """torch's package directory (None where torch is not installed), phalanx's, and the standard
+    library's, each ending in a separator. find_spec does not import torch."""
+    spec = importlib.util.find_spec("torch")
+    torch_dir = _directory(os.path.dirname(spec.origin)) if spec is not None and spec.origin else None
+    phalanx_dir = _directory(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = sysconfig.get_paths()
+    stdlib = tuple(dict.fromkeys(_directory(paths[key]) for key in ("stdlib", "platstdlib") if paths.get(key)))
+    return torch_dir, (phalanx_dir,), stdlib
+
+
+def _directory(path: str) -> str:
+    return os.path.join(os.path.realpath(path), "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _real(filename: str) -> str:
+    return os.path.realpath(filename)
+
+
+def _torch_relative(filename: str) -> str | None:
+    """``filename``'s path inside torch's package directory, or None when it lies outside it."""
+    torch_dir = _roots()[0]
+    real = _real(filename)
+    return real[len(torch_dir) :] if torch_dir is not None and real.startswith(torch_dir) else None
+
+
 def _is_library(filename: str) -> bool:
-    return any(part in filename for part in _LIBRARY)
+    if filename.startswith("<frozen "):  # the standard library's frozen modules (runpy, importlib)
+        return True
+    if _torch_relative(filename) is not None:
+        return True
+    _, packages, stdlib = _roots()
+    real = _real(filename)
+    if any(real.startswith(root) for root in packages):
+        return True
+    for root in stdlib:
+        if real.startswith(root):
+            return real[len(root) :].split(os.sep, 1)[0] not in _SITE_DIRS
+    return False
 
 
 def _distributed_package(filename: str) -> str | None:
-    if filename.endswith(_DDP):
-        return "DistributedDataParallel"
-    _, found, rest = filename.partition(_TORCH_DISTRIBUTED)
-    if not found:
+    relative = _torch_relative(filename)
+    if relative is None:
         return None
-    package = rest.split(os.sep, 1)[0].removesuffix(".py")
+    if relative == _DDP:
+        return "DistributedDataParallel"
+    if not relative.startswith(_TORCH_DISTRIBUTED):
+        return None
+    package = relative[len(_TORCH_DISTRIBUTED) :].split(os.sep, 1)[0].removesuffix(".py")
     return None if package in _NOT_COMMUNICATION else f"torch.distributed.{package}"
