@@ -70,3 +70,18 @@ def gpus(request) -> int:
     if mark is None:
         pytest.fail("the gpus fixture is for tests marked @pytest.mark.cuda(gpus=N)")
     return gpus_needed(mark)
+
+
+# -- the assertion count ------------------------------------------------------------------------
+# `pytest -o enable_assertion_pass_hook=true` (after clearing tests' __pycache__, which holds the
+# rewritten modules) counts every assert that passed, so a faster suite can show it kept them all.
+_ASSERTS_PASSED = pytest.StashKey[int]()
+
+
+def pytest_assertion_pass(item, lineno, orig, expl):
+    item.config.stash[_ASSERTS_PASSED] = item.config.stash.get(_ASSERTS_PASSED, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getini("enable_assertion_pass_hook"):
+        terminalreporter.write_line(f"{config.stash.get(_ASSERTS_PASSED, 0)} assertions passed")
