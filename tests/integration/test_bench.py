@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.bench.chart import have_matplotlib
-from phalanx.bench.figures import read_metrics, run_figures, steps_recorded
+from phalanx.harness.figures import read_metrics, run_figures, steps_recorded
 from tests.helpers.cli import run_phalanx
 
 # Trains until stopped with one process; fails at once with two.

@@ -10,9 +10,10 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "phalanx"
 
 # Top-level package or module -> layer; a module may import its own layer or lower ones only.
 LAYERS = {
-    "__main__": 9, "cli": 9,
-    "tune": 8,
-    "bench": 7, "diagnose": 7, "demo": 7,
+    "__main__": 10, "cli": 10,
+    "tune": 9,
+    "bench": 8,
+    "harness": 7, "diagnose": 7, "demo": 7,
     "launch": 6,
     "session": 5, "plan": 5,
     "strategies": 4,

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from phalanx.bench.chart import have_matplotlib, write_chart
-from phalanx.bench.figures import RunFigures, read_metrics, run_figures, scaling, steps_recorded
 from phalanx.bench.reading import reading
 from phalanx.bench.report import bench_json
 from phalanx.bench.runner import BenchOptions, parse_nproc_list
+from phalanx.bench.scaling import scaling
 from phalanx.cli.main import main
 from phalanx.errors import PhalanxError
+from phalanx.harness.figures import RunFigures, read_metrics, run_figures, steps_recorded
 
 
 def _record(rank, step, step_time, data_wait, samples, peak=0):

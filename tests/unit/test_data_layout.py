@@ -13,10 +13,10 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import phalanx
 from phalanx.bench import runner as bench_runner
-from phalanx.bench.figures import RunFigures
 from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.schema import Config, DataConfig
 from phalanx.errors import ConfigError, PhalanxError
+from phalanx.harness.figures import RunFigures
 from phalanx.runtime.data import ShardedSampler, shard_loader
 from phalanx.runtime.shares import StreamShare, shard_tensors
 from phalanx.session.facts import read_run_facts, write_run_facts

@@ -14,9 +14,9 @@ from torch import nn
 from phalanx import Topology
 from phalanx.metrics.flops import count_on_first_forward, flops_per_sample, peak_flops_per_s
 from phalanx.metrics.recorder import StepRecorder
-from phalanx.metrics.summary_display import verdict
 from phalanx.metrics.straggler import MIN_STEPS, WARMUP_STEPS, find_straggler
 from phalanx.metrics.summary import percentile, read_records, summarize
+from phalanx.metrics.summary_display import verdict
 from tests.helpers.metrics import FIELDS, run_session
 
 

@@ -4,7 +4,7 @@ what the script raised on its way out."""
 
 from __future__ import annotations
 
-from phalanx.bench.launching import LaunchRun, failure_reason, last_error, stop_note
+from phalanx.harness.launching import LaunchRun, failure_reason, last_error, stop_note
 
 TRACEBACK = (
     "phalanx: single | device cpu\n"

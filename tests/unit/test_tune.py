@@ -11,11 +11,11 @@ import pytest
 import torch
 import yaml
 
-from phalanx.bench.launching import LaunchRun
 from phalanx.cli.main import main
 from phalanx.config import Config
 from phalanx.config.batch import BatchPlan
 from phalanx.errors import ConfigError
+from phalanx.harness.launching import LaunchRun
 from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.session.facts import write_run_facts
 from phalanx.tune import search

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.bench.figures import run_figures
 from phalanx.cli.main import main
+from phalanx.harness.figures import run_figures
 from phalanx.tune import search
 from phalanx.tune.runner import TuneOptions
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx.bench.figures import RunFigures
+from phalanx.harness.figures import RunFigures
 from phalanx.tune import runner as tune_runner
 from phalanx.tune import search
 from phalanx.tune.trials import OK, Announced, Trial

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from phalanx.bench.figures import Scaling
+from phalanx.bench.scaling import Scaling
 
 CHART_HINT = "phalanx: matplotlib is not installed, so there is no bench.png; `pip install phalanx[bench]` adds it"
 

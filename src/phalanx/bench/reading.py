@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from phalanx.bench.figures import Scaling
 from phalanx.bench.report import ms
+from phalanx.bench.scaling import Scaling
 
 GOOD_EFFICIENCY = 0.9
 SUPERLINEAR = 1.1  # beyond noise: the baseline itself is suspect

@@ -8,7 +8,7 @@ import platform
 import torch
 from rich.table import Table
 
-from phalanx.bench.figures import Scaling
+from phalanx.bench.scaling import Scaling
 from phalanx.diagnose.facts import torch_gpus
 from phalanx.topology import cpu_count
 from phalanx.util.units import format_bytes

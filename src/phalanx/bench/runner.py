@@ -1,4 +1,4 @@
-"""Runs the bench: one short ``phalanx launch`` per device count (see launching.py), each in its
+"""Runs the bench: one short ``phalanx launch`` per device count (see harness/launching.py), each in its
 own run directory under ``<run dir>/<stamp>-bench/``, then the figures, bench.json and bench.png.
 """
 
@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Callable
 
 from phalanx.bench.chart import have_matplotlib, write_chart
-from phalanx.bench.figures import RunFigures, Scaling, read_metrics, run_figures, scaling
-from phalanx.bench.launching import TrialOptions, failure_reason, quiet_overrides, stop_note
 from phalanx.bench.reading import reading
 from phalanx.bench.report import bench_json, machine_facts, machine_label
+from phalanx.bench.scaling import Scaling, scaling
 from phalanx.errors import PhalanxError
+from phalanx.harness.figures import RunFigures, measure
+from phalanx.harness.launching import TrialOptions, failure_reason, quiet_overrides, stop_note
 from phalanx.launch.launcher import new_run_dir, prepare
 from phalanx.session.facts import read_run_facts
 from phalanx.topology import cpu_count, user_omp_threads
@@ -98,11 +99,8 @@ def run_bench(options: BenchOptions, say: Callable[[str], None] = print) -> Benc
                 "phalanx: the script fixes its batch layout (batch.fixed_layout), so every run keeps its global "
                 "batch (strong scaling) instead of growing it with the devices (weak scaling)"
             )
-        figures.append(
-            run_figures(
-                n, read_metrics(_metrics_dir(run_dir, name)), options.warmup, f"{name} ({run_dir})", options.steps
-            )
-        )
+        _check_metrics(run_dir, name)
+        figures.append(measure(run_dir, n, options.warmup, f"{name} ({run_dir})", options.steps))
         say(f"phalanx: {name}: {figures[-1].samples_per_s:,.0f} samples/s, {seconds:.0f}s, run dir {run_dir}")
 
     rows = scaling(figures, strong=fixed)
@@ -194,11 +192,9 @@ def _run_one(
     return run.run_dir, run.seconds
 
 
-def _metrics_dir(run_dir: Path, name: str) -> Path:
-    metrics = run_dir / "metrics"
-    if not any(metrics.glob("rank*.jsonl")):
+def _check_metrics(run_dir: Path, name: str) -> None:
+    if not any((run_dir / "metrics").glob("rank*.jsonl")):
         raise PhalanxError(
             f"{name} ({run_dir}) wrote no metrics/rank<N>.jsonl; bench reads the per-step metrics "
             "that phalanx.Session writes, so the script must train through a Session"
         )
-    return metrics

@@ -1,5 +1,5 @@
 """The arguments ``phalanx bench`` and ``phalanx tune`` share: both run short ``phalanx launch``
-trials of one script (bench/launching.py), so they take the script the same way. Each command adds
+trials of one script (harness/launching.py), so they take the script the same way. Each command adds
 them in its own order among its own flags, with its own words ("run", "trial") in the help."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class TrialArguments:
 
 
 def trial_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The shared flags as keywords of BenchOptions and TuneOptions (bench/launching.TrialOptions)."""
+    """The shared flags as keywords of BenchOptions and TuneOptions (harness/launching.TrialOptions)."""
     return {
         "script": args.script,
         "script_args": tuple(args.script_args),

@@ -51,10 +51,10 @@ from phalanx.session import collectives
 from phalanx.session.adaptive import AdaptiveBatch, is_adam
 from phalanx.session.adaptive import check as check_adaptive
 from phalanx.session.facts import describe_model_size, write_run_facts
+from phalanx.session.gradients import GradientKeeping
 from phalanx.session.guards import PortingGuards
 from phalanx.session.layout import LayoutLock
 from phalanx.session.limit import StepLimit
-from phalanx.session.gradients import GradientKeeping
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState

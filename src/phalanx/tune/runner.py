@@ -8,7 +8,7 @@ from the previous stage's winner:
 2. loader workers: 0, 1, 2, ... until the step no longer waits for data;
 3. DDP bucket size (ddp and zero1 with several processes).
 
-Every trial is a ``phalanx launch`` subprocess (bench/launching.py) under
+Every trial is a ``phalanx launch`` subprocess (harness/launching.py) under
 ``<run dir>/<stamp>-tune/tNN/``, with checkpoints, progress bar, profiler and restarts off. A trial
 that runs out of memory on any rank ends like any failed job (the launcher stops the other ranks),
 and is read as "out of memory" from the ranks' logs.
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from phalanx.bench.launching import TrialOptions, quiet_overrides, stop_note
 from phalanx.errors import PhalanxError
+from phalanx.harness.launching import TrialOptions, quiet_overrides, stop_note
 from phalanx.launch.launcher import LaunchPlan, new_run_dir, prepare
 from phalanx.strategies import strategy_class
 from phalanx.topology import cpu_count

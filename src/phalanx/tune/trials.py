@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.bench.figures import RunFigures, read_metrics, run_figures
-from phalanx.bench.launching import LaunchRun, failure_reason
 from phalanx.errors import PhalanxError
+from phalanx.harness.figures import RunFigures, measure
+from phalanx.harness.launching import LaunchRun, failure_reason
 from phalanx.session.facts import read_run_facts
 from phalanx.util.units import MIB
 
@@ -126,9 +126,7 @@ def conclude(trial: Trial, run: LaunchRun, *, nproc: int, warmup: int, steps: in
         )
         return trial
     try:
-        trial.figures = run_figures(
-            nproc, read_metrics(run.run_dir / "metrics"), warmup, f"trial {trial.number}", steps
-        )
+        trial.figures = measure(run.run_dir, nproc, warmup, f"trial {trial.number}", steps)
     except (PhalanxError, OSError) as err:
         trial.outcome, trial.detail = FAILED, _short(str(err))
         return trial

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from phalanx.bench.figures import steps_recorded
 from phalanx.config.schema import Config
 from phalanx.errors import PhalanxError
+from phalanx.harness.figures import steps_recorded
 from phalanx.launch.launcher import LaunchRequest
 
 _POLL_S = 0.25
