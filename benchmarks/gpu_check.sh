@@ -2,8 +2,9 @@
 # On a machine with a CUDA GPU: every part runs whatever the one before did, each is reported
 # (passed/failed, exit code, seconds), and the exit code is non-zero when any failed.
 #   1. the CUDA tests (tests/gpu; they skip without a GPU), at most 300 s
-#   2. benchmarks/gpu_check.py (every CUDA path one GPU can run; about 7 minutes on an H200, at most
-#      540 s), its arguments passed on, e.g. --out runs/gpu-check.json
+#   2. the GPU acceptance tier, tests/gpu/acceptance (python -m tests.gpu.acceptance.run: every CUDA
+#      path one GPU can run; about 7 minutes on an H200, at most 540 s), its arguments passed on,
+#      e.g. --out runs/gpu-check.json
 # Set-up as usual: `make setup` first. PY picks the interpreter (default .venv/bin/python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,7 @@ part() {  # part NAME COMMAND...: run it, remember its exit code, time and last 
 
 nvidia-smi -L || echo "gpu_check.sh: nvidia-smi not found or no GPU listed"
 part "CUDA tests (tests/gpu)" timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/gpu
-part "gpu_check.py" timeout 540 "$PY" benchmarks/gpu_check.py "$@"
+part "tests/gpu/acceptance" timeout 540 "$PY" -m tests.gpu.acceptance.run "$@"
 
 echo
 echo "gpu_check.sh summary:"

@@ -1,6 +1,6 @@
 """What each performance knob (docs/performance.md) does to samples/s on this machine.
 
-Trains the communication-bound MLP of benchmarks/overhead.py (256 -> 4 hidden layers of 1024 ->
+Trains the communication-bound MLP of benchmarks/mlp_workload.py (256 -> 4 hidden layers of 1024 ->
 10, 3.4M parameters, fp32, Adam) with phalanx on N processes, once per variant of a study,
 alternating the variants (A B C A B C ...) and reporting samples/s from the median and from the
 10th-percentile step time of all repeats, with each variant's ratio to the first one.
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 import phalanx
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from overhead import make_data, make_model  # noqa: E402  (the same MLP workload)
+from mlp_workload import make_data, make_model  # noqa: E402  (the same MLP workload)
 
 STUDIES: dict[str, list[tuple[str, list[str]]]] = {
     "buckets": [

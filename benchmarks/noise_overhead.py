@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/noise_overhead.py --rounds 1 --steps 20 --warmup 5   # a smoke run
     .venv/bin/python benchmarks/noise_overhead.py --out docs        # its section of docs/benchmarks.md
 
-The workload is the communication-bound MLP of overhead.py (4 hidden layers of 1024, fp32,
+The workload is the communication-bound MLP of mlp_workload.py (4 hidden layers of 1024, fp32,
 micro-batch 64, synthetic data made in the worker), trained under phalanx by four contenders:
 
 - ``off``: ``train.noise_scale: false``, the baseline;
@@ -45,7 +45,7 @@ import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from overhead import HIDDEN, make_data, make_model  # noqa: E402  (the same MLP workload)
+from mlp_workload import HIDDEN, make_data, make_model  # noqa: E402  (the same MLP workload)
 
 MICRO = 64
 TITLE = "## Gradient noise scale: overhead (issue 13)"

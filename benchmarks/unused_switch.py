@@ -8,7 +8,7 @@ the second one, the most favourable public-only form (the first reducer, its aut
 its gradient buckets stay alive: DDP has no public way to release them). ``false``: DDP without
 the search from the start, the floor both should reach.
 
-Plain DDP on 2 gloo CPU processes, the MLP of overhead.py; per repeat each route builds a fresh
+Plain DDP on 2 gloo CPU processes, the MLP of mlp_workload.py; per repeat each route builds a fresh
 model, runs step 1 with the search (``false``: without), switches (timed), then times ``--steps``
 steps (each run's median step). The routes alternate inside each repeat (rotating who goes first);
 the table shows medians over repeats, the ratio to ``surgery``, the gradient buckets the first
@@ -35,7 +35,7 @@ import phalanx
 from phalanx import _torch_compat as compat
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from overhead import make_data, make_model  # noqa: E402  (the same MLP workload)
+from mlp_workload import make_data, make_model  # noqa: E402  (the same MLP workload)
 
 ROUTES = ("surgery", "rewrap", "false")
 

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from gpucheck import workloads
-from gpucheck.report import Check
-from gpucheck.workloads import batched_loader, device_name, mlp, on_cuda, quiet, sync, teacher_data
 from phalanx.metrics.flops import flops_per_sample, peak_flops_per_s
+from tests.gpu.acceptance import workloads
+from tests.gpu.acceptance.report import Check
+from tests.gpu.acceptance.workloads import batched_loader, device_name, mlp, on_cuda, quiet, sync, teacher_data
 
 FEATURES, WIDTH, DEPTH, MICRO = 256, 4096, 8, 2048
 STEPS = {"bf16": 150, "fp32": 40}  # timed steps: about half a second (bf16) and a second (fp32) on an H200

@@ -1,6 +1,6 @@
 """Every CUDA path of phalanx that one GPU can run, each a measured figure against a stated tolerance.
 
-Parts (benchmarks/gpucheck/, one module each), with what each is designed to take on one H200:
+Parts (tests/gpu/acceptance/, one module each), with what each is designed to take on one H200:
 
   precision   40s  bf16 and fp16 (autocast, GradScaler) against fp32: demo CNN accuracy, MLP loss
                    curve (Adam), MLP weight update (SGD + clipping)
@@ -18,7 +18,9 @@ and the GPU's name (--out), prints a table, and exits 1 when any check failed. W
 prints one line and exits 1. --cpu-smoke runs the parts on the CPU at toy sizes to try the script
 itself (figures meaningless, verdicts ignored; exit 0 when no part crashed).
 
-    python benchmarks/gpu_check.py [--parts precision,plan] [--out runs/gpu-check.json]
+    python -m tests.gpu.acceptance.run [--parts precision,plan] [--out runs/gpu-check.json]
+
+(benchmarks/gpu_check.sh runs the CUDA tests, then this.)
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpucheck/ and overhead.py sit next to this file
+# The repository root, so that `python tests/gpu/acceptance/run.py` finds its parts as -m does.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch  # noqa: E402
 
@@ -37,8 +40,8 @@ TOTAL_BUDGET_S = 480
 
 
 def parts(args: argparse.Namespace) -> list:
-    from gpucheck import compiled, fsdp, memory, precision, prefetch, processes, speed, tuning
-    from gpucheck.report import Part
+    from tests.gpu.acceptance import compiled, fsdp, memory, precision, prefetch, processes, speed, tuning
+    from tests.gpu.acceptance.report import Part
 
     return [
         Part("precision", 40, lambda: precision.run(args.epochs), "precision bf16, fp16 (GradScaler) on single"),
@@ -54,7 +57,7 @@ def parts(args: argparse.Namespace) -> list:
 
 def smoke_sizes() -> None:
     """Toy sizes on the CPU: enough to run every line of every part, nothing to measure."""
-    from gpucheck import compiled, fsdp, memory, precision, prefetch, processes, speed, tuning, workloads
+    from tests.gpu.acceptance import compiled, fsdp, memory, precision, prefetch, processes, speed, tuning, workloads
 
     workloads.DEVICE = torch.device("cpu")
     fsdp.OFFLOAD = False
@@ -91,10 +94,9 @@ def main() -> None:
     if args.cpu_smoke:
         smoke_sizes()
 
-    from gpucheck.report import print_table, run_part, write_json
-    from gpucheck.workloads import device_name
-
     import phalanx
+    from tests.gpu.acceptance.report import print_table, run_part, write_json
+    from tests.gpu.acceptance.workloads import device_name
 
     started = time.perf_counter()
     results = []

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gpucheck import workloads
-from gpucheck.report import Check
-from gpucheck.workloads import (
+from phalanx.plan import count_parameters, make_plan, measure_activations
+from phalanx.util.units import format_bytes
+from tests.gpu.acceptance import workloads
+from tests.gpu.acceptance.report import Check
+from tests.gpu.acceptance.workloads import (
     allocated,
     empty_cache,
     mlp,
@@ -32,8 +34,6 @@ from gpucheck.workloads import (
     sync,
     teacher_data,
 )
-from phalanx.plan import count_parameters, make_plan, measure_activations
-from phalanx.util.units import format_bytes
 
 WIDTH, DEPTH, MICRO = 1024, 48, 128
 TOLERANCE = 0.10

@@ -9,15 +9,31 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from overhead import IN, OUT, make_data, make_model  # the MLP 4x1024 of the CPU benchmarks
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import phalanx
 
-__all__ = ["IN", "OUT", "make_data", "make_model"]
+# The MLP 4x1024 of the CPU benchmarks (benchmarks/mlp_workload.py), repeated here so that the GPU
+# tier does not import benchmark scripts: the same seeds give the same weights and data.
+IN, HIDDEN, OUT = 256, 1024, 10
 
-# Where the hand-written loops and warm-ups run. gpu_check.py --cpu-smoke sets the CPU, to try the
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers, width = [], IN
+    for _ in range(4):
+        layers += [nn.Linear(width, HIDDEN), nn.ReLU()]
+        width = HIDDEN
+    return nn.Sequential(*layers, nn.Linear(width, OUT))
+
+
+def make_data(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, IN, generator=g), torch.randint(0, OUT, (n,), generator=g))
+
+
+# Where the hand-written loops and warm-ups run. run.py --cpu-smoke sets the CPU, to try the
 # script itself on a machine without a GPU (its figures then mean nothing).
 DEVICE = torch.device("cuda")
 

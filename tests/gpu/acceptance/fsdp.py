@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from gpucheck.report import Check
-from gpucheck.workloads import max_relative, relative, train_mlp
+from tests.gpu.acceptance.report import Check
+from tests.gpu.acceptance.workloads import max_relative, relative, train_mlp
 
 STEPS, MICRO = 30, 256
 # One process: the reduce-scatter is a copy and the gradient divisor 1, so FSDP computes what
@@ -14,7 +14,7 @@ STEPS, MICRO = 30, 256
 SAME_TOLERANCE = 1e-5
 OFFLOAD_TOLERANCE = 1e-4  # the optimizer steps on the CPU's kernels instead of CUDA's
 UPDATE_TOLERANCE = 0.15  # bf16 parameters against fp32: as autocast's (precision.py)
-OFFLOAD = True  # False on gpu_check.py --cpu-smoke: phalanx refuses cpu_offload without CUDA
+OFFLOAD = True  # False on run.py --cpu-smoke: phalanx refuses cpu_offload without CUDA
 
 
 def fsdp(**fsdp_settings) -> dict:

@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpucheck.report import Check
 from phalanx.tune.trials import OK, OOM
 from phalanx.util.sizes import size_bytes
+from tests.gpu.acceptance.report import Check
 
 CAP = "768MiB"
 WIDTH, GLOBAL_BATCH = 2048, 16384

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from gpucheck.report import Check
-from gpucheck.workloads import max_relative, on_cuda, quiet, session, sync, train_mlp
+from tests.gpu.acceptance.report import Check
+from tests.gpu.acceptance.workloads import max_relative, on_cuda, quiet, session, sync, train_mlp
 
 WEIGHT_TOLERANCE = 1e-6  # the same batches in the same order through the same kernels: identical in practice
 SPEED_TOLERANCE = 0.97  # prefetch at most 3% slower than the plain copy (medians)

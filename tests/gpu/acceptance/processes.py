@@ -15,8 +15,17 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from gpucheck.report import Check
-from gpucheck.workloads import local, make_model, max_relative, quiet, session, teacher_data, train_losses, train_mlp
+from tests.gpu.acceptance.report import Check
+from tests.gpu.acceptance.workloads import (
+    local,
+    make_model,
+    max_relative,
+    quiet,
+    session,
+    teacher_data,
+    train_losses,
+    train_mlp,
+)
 
 STEPS, GLOBAL = 20, 256
 TOLERANCE = 1e-4  # two halves of the batch summed by gloo then averaged, against one process's mean

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from gpucheck.report import Check
-from gpucheck.workloads import make_data, make_model, max_relative, quiet, session, sync
+from tests.gpu.acceptance.report import Check
+from tests.gpu.acceptance.workloads import make_data, make_model, max_relative, quiet, session, sync
 
 LOSS_TOLERANCE = 1e-4  # absolute, per step: inductor's fused kernels round differently from eager's
 WEIGHT_TOLERANCE = 1e-3  # relative to each tensor's largest value

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from gpucheck.report import Check
-from gpucheck.workloads import quiet, relative, session, train_mlp, window_gap
 from phalanx.demo.digits import DigitsCNN, train_test_split
+from tests.gpu.acceptance.report import Check
+from tests.gpu.acceptance.workloads import quiet, relative, session, train_mlp, window_gap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative gap of 5-step window means of the loss to fp32's, Adam lr 1e-3, 60 steps of 256. On this
