@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 import time
 import uuid
@@ -34,6 +35,9 @@ def no_leftover_processes():
     token = f"phalanx-test-{uuid.uuid4().hex}"
     os.environ["PHALANX_TEST_SESSION"] = token
     yield
+    # phalanx.spawn's forkserver (it carries the token) belongs to this pytest process; what it
+    # forked does not, and must be gone like everything else.
+    multiprocessing.forkserver._forkserver._stop()
     deadline = time.monotonic() + 10
     left = _processes_with(token.encode())
     while left and time.monotonic() < deadline:  # give exiting processes a moment

@@ -24,10 +24,14 @@ POLL_SECONDS = 0.1
 
 
 class Lifeline:
-    """Watches ``parent`` (a pid) from a daemon thread; see the module docstring."""
+    """Watches ``parent`` (a pid) from a daemon thread; see the module docstring. ``parent`` need
+    not be this process's parent: a forkserver's child watches the process that asked the server
+    for it (the server outlives its caller while any child it forked lives)."""
 
     def __init__(self, parent: int, *, who: str = "this worker", poll: float = POLL_SECONDS):
         self.parent, self.who, self.poll = parent, who, poll
+        # Re-parenting says at once, and without a pid that could be reused, that a parent is gone.
+        self._child = os.getppid() == parent
         self._thread = threading.Thread(target=self._watch, name="phalanx-lifeline", daemon=True)
 
     def start(self) -> "Lifeline":
@@ -37,7 +41,7 @@ class Lifeline:
         return self
 
     def parent_alive(self) -> bool:
-        return os.getppid() == self.parent
+        return os.getppid() == self.parent if self._child else _running(self.parent)
 
     def _watch(self) -> None:
         while True:
@@ -101,6 +105,17 @@ def _exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and has not exited: a killed process stays a zombie until its parent reaps it."""
+    if not Path("/proc/self/stat").exists():  # no /proc: a zombie counts as running
+        return _exists(pid)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False  # gone
+    return state not in ("Z", "X")
 
 
 def descendants(pid: int) -> list[int]:

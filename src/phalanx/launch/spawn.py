@@ -2,10 +2,15 @@
 
 Uses torch.multiprocessing's own process starting; each process gets the same environment torchrun
 would give it, so a Session inside ``fn`` behaves exactly as under ``phalanx launch``.
+
+The default start method is a forkserver that has imported torch and the Session once: a fresh
+interpreter per process pays ``import torch`` (seconds) on every call, a fork from the server
+does not, so a notebook or a test suite that spawns often pays it once.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -21,6 +26,13 @@ from phalanx.faults.lifeline import watch
 from phalanx.topology import LaunchContext, cpu_count
 
 BACKENDS = ("auto", "gloo")
+# What the forkserver imports before it forks anyone: what every Session needs.
+_PRELOAD = ["torch", "torch.distributed", "phalanx.session", "phalanx.launch.spawn"]
+
+
+def default_start_method() -> str:
+    """``forkserver`` where the platform has it (Linux, macOS), else ``spawn``."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def spawn(
@@ -31,7 +43,7 @@ def spawn(
     timeout: float | None = 300.0,
     cpu: bool | None = None,
     backend: str = "auto",
-    start_method: str = "spawn",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``nprocs`` processes; returns each rank's return value, by rank.
 
@@ -41,9 +53,13 @@ def spawn(
     gloo for CUDA tensors too, so several processes can share one GPU (for DDP and zero1: gloo
     all-reduces and broadcasts CUDA tensors, NCCL refuses two ranks on one GPU).
 
-    ``fn`` must be importable (defined in a module, not a notebook cell) with the default ``spawn``
-    start method. After ``timeout`` seconds every process is killed and ``TimeoutError`` raised; if
-    one process raises, the others are stopped and its traceback re-raised here.
+    ``start_method``: None (the default) is :func:`default_start_method`; any other
+    ``torch.multiprocessing`` start method (``"spawn"``, ``"fork"``) is used as given. Every process
+    sees the caller's environment as it is at this call, whichever method starts it. ``fn`` must be
+    importable (defined in a module, not a notebook cell) unless the method is ``fork``.
+
+    After ``timeout`` seconds every process is killed and ``TimeoutError`` raised; if one process
+    raises, the others are stopped and its traceback re-raised here.
     """
     if backend not in BACKENDS:
         raise PhalanxError(f"phalanx.spawn: backend must be 'auto' or 'gloo', got {backend!r}")
@@ -56,15 +72,19 @@ def spawn(
             f"phalanx.spawn: {nprocs} processes on NCCL need {nprocs} GPUs but {gpus} "
             f"{'is' if gpus == 1 else 'are'} visible; pass backend='gloo' to share GPUs, or cpu=True"
         )
+    method = start_method or default_start_method()
+    if method == "forkserver":
+        # Only before the server's first start; a running server keeps what it has imported.
+        mp.set_forkserver_preload(_PRELOAD)
     port = _free_port()
     launch = LaunchContext(force_cpu=cpu, gloo_on_cuda=backend == "gloo")
     with tempfile.TemporaryDirectory(prefix="phalanx-spawn-") as tmp:
         context = mp.start_processes(
             _entry,
-            args=(fn, tuple(args), nprocs, port, tmp, launch, os.getpid()),
+            args=(fn, tuple(args), nprocs, port, tmp, launch, os.getpid(), dict(os.environ)),
             nprocs=nprocs,
             join=False,
-            start_method=start_method,
+            start_method=method,
         )
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -88,8 +108,13 @@ def _entry(
     out_dir: str,
     launch: LaunchContext,
     parent: int,
+    environ: dict[str, str],
 ) -> None:
     watch(parent, f"phalanx.spawn rank {local_rank}")  # a killed notebook kernel takes its ranks along
+    # A forkserver's child inherits the server's environment, from when it started: the caller's
+    # is the one that counts, as it would with spawn.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         {
             "RANK": str(local_rank),
