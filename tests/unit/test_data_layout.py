@@ -236,14 +236,14 @@ def test_values_that_leave_the_layout_as_it_is_pass(monkeypatch, tmp_path):
     sets = ("batch.global_batch_size=20", "batch.micro_batch_size=20")
     session = _session(monkeypatch, tmp_path, sets=sets, batch={"fixed_layout": True})
     loader = session.setup_loader(_loader(20), train=True)
-    assert session.batch == BatchPlan(20, 20, 1, 1) and len(loader) == 2 and session.layout.fixed
+    assert session.batch == BatchPlan(20, 20, 1, 1) and len(loader) == 2 and session._batch.fixed_layout
     session.close()
 
 
 def test_without_the_lock_the_config_changes_the_batch_as_before(monkeypatch, tmp_path):
     session = _session(monkeypatch, tmp_path, file="batch:\n  global_batch_size: 40\n")
     session.setup_loader(_loader(20), train=True)
-    assert session.batch.global_batch_size == 40 and not session.layout.fixed
+    assert session.batch.global_batch_size == 40 and not session._batch.fixed_layout
     session.close()
 
 

@@ -126,9 +126,10 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     check_combination(config, world, devices.kind)
     if config.train.profile is not None:
         ProfileWindow.parse(config.train.profile)
-    batch = config.batch
-    if batch.global_batch_size is not None or batch.micro_batch_size or batch.max_micro_batch_size:
-        strategy_cls.plan_batch(config, world, batch.global_batch_size)  # as the Session will plan it
+    # Late: importing the launcher (spawn, the CLI) should not load the Session and its collaborators.
+    from phalanx.session.batch_plan import config_plan
+
+    config_plan(config, strategy_cls, world)  # refuses sizes the Session would refuse
     # Last, as nothing after it can fail. Absolute, so a script that changes directory still writes
     # into its run directory.
     run_root = check_output_dirs(launch.run_dir, config.checkpoint.dir)

@@ -34,9 +34,9 @@ from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
 from phalanx.config.batch import BatchPlan
 from phalanx.config.loader import load_config, override_config
 from phalanx.config.preset import fit_to_device
-from phalanx.config.schema import BatchConfig, Config
+from phalanx.config.schema import Config
 from phalanx.config.template import write_resolved
-from phalanx.errors import ConfigError, PhalanxError
+from phalanx.errors import PhalanxError
 from phalanx.faults.lifeline import watch_launcher
 from phalanx.metrics.recorder import create_recorder
 from phalanx.runtime.compute import Compute
@@ -48,12 +48,11 @@ from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
 from phalanx.runtime.shares import shard_tensors
 from phalanx.session import collectives
-from phalanx.session.adaptive import AdaptiveBatch, is_adam
-from phalanx.session.adaptive import check as check_adaptive
+from phalanx.session.adaptive import AdaptiveBatch
+from phalanx.session.batch_plan import BatchOwner
 from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.gradients import GradientKeeping
 from phalanx.session.guards import PortingGuards
-from phalanx.session.layout import LayoutLock
 from phalanx.session.limit import StepLimit
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
@@ -93,31 +92,20 @@ class Session:
         if self.memory_cap is not None and self.device.type != "cuda":
             self.metrics.cpu_peak = self.memory_cap.used_bytes  # CUDA records the allocator's peak itself
 
-        self.batch: BatchPlan | None = None
-        self.layout = LayoutLock(config, given, sections)
-        if config.batch.global_batch_size or config.batch.micro_batch_size or config.batch.max_micro_batch_size:
-            # Refuse an impossible batch now rather than at setup(); setup() may refine it.
-            self.batch = self._plan_sizes(config.batch.global_batch_size)
-            self.layout.check(self.batch, None, self._plan_sizes)
-        self.lr_scaling: LRScaling | None = None
         self.state = TrainState(self.device)  # step, epoch, micro-step, data positions, RNG
+        self._models: list[nn.Module] = []
+        # Every change to the batch plan (config, training loaders, batch.adaptive) goes through its owner.
+        self._batch = BatchOwner(
+            config, self.strategy, self.topology, self.state, self._models, self.print, given, sections
+        )
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
         self.last_throughput: Throughput | None = None
         self._in_accumulate = False
         self.guards = PortingGuards(self._micro_steps_before)  # stray step / zero_grad / scheduler.step
         self._unscaled = False
         self._last_loss: torch.Tensor | None = None
-        self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self.weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
-        self.noise = NoiseProbe(config, self.strategy, self.topology, self._models)  # the gradient noise scale
-        self.state.noise = self.noise
-        check_adaptive(config)
-        self.adaptive = AdaptiveBatch(config, self.topology) if config.batch.adaptive else None
-        if self.adaptive is not None:
-            self.adaptive.on_change = self._apply_adaptive
-        self.state.adaptive = self.adaptive
-        self._said_no_noise_scale: str | None = None
         self._forward_micro = 1  # the loader's micro-batches in the current forward (see accumulate)
         self._joined_batch = 1  # ... in the training batch handed out last, until a forward takes it
         self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
@@ -180,12 +168,31 @@ class Session:
         return self.state.epoch
 
     @property
+    def batch(self) -> BatchPlan | None:
+        """The batch plan now in effect (None until a size is known); batch_plan.py changes it."""
+        return self._batch.plan
+
+    @property
     def accumulation_steps(self) -> int:
-        return self.batch.accumulation_steps if self.batch else 1
+        return self._batch.accumulation_steps
+
+    @property
+    def lr_scaling(self) -> LRScaling | None:
+        return self._batch.lr_scaling
 
     @property
     def lr_multiplier(self) -> float:
-        return self.lr_scaling.multiplier(self.step_count) if self.lr_scaling else 1.0
+        return self._batch.lr_multiplier(self.step_count)
+
+    @property
+    def noise(self) -> NoiseProbe:
+        """The gradient noise scale's probe: ``value``, ``estimate`` (None where this run has none)."""
+        return self._batch.noise
+
+    @property
+    def adaptive(self) -> AdaptiveBatch | None:
+        """batch.adaptive's choices (``k``, ``gain``, ``history``); None without it."""
+        return self._batch.adaptive
 
     # -- setup ------------------------------------------------------------------------------
     def init_module(self, *, initialize: bool = True) -> contextlib.AbstractContextManager:
@@ -223,8 +230,7 @@ class Session:
             self.memory_cap.begin_setup()
         for i in order:
             out[i] = self._setup_one(objects[i])
-        if self.lr_scaling is None:
-            self._plan(None)  # no training loader: the config's sizes alone
+        self._batch.finish_setup()
         if not self._seeded and self._models:
             # Every rank built the same initial weights from the same seed; from here on ranks
             # should draw different dropout masks and augmentations. Waiting for the first model
@@ -267,7 +273,7 @@ class Session:
                     "setup_loader(..., fixed_layout=True) is for a training loader: pass train=True, "
                     "or drop fixed_layout (an evaluation loader's batches never change the training)"
                 )
-            self.layout.declare("setup_loader(..., fixed_layout=True)")
+            self._batch.fix_layout("setup_loader(..., fixed_layout=True)")
         wrapped = self._setup_loader(loader, train=train)
         if self._set_up:
             self._announce()  # the plan may be new: tune and bench read it from session.json
@@ -276,8 +282,8 @@ class Session:
     def _setup_loader(self, loader: DataLoader, *, train: bool) -> DeviceLoader:
         dp = self.strategy.data_parallel_size
         if train:
-            self._plan(loader.batch_size)
-            batch_size, multiple_of = self.batch.micro_batch_size, self.batch.global_batch_size
+            plan = self._batch.plan_loader(loader.batch_size)
+            batch_size, multiple_of = plan.micro_batch_size, plan.global_batch_size
         else:
             # Padding the order to a multiple of the process count gives every rank the same number
             # of batches, so collectives in the evaluation loop line up.
@@ -298,8 +304,8 @@ class Session:
         wrapped.on_wait = self.metrics.add_wait if train else None
         if wrapped.stream is not None:
             wrapped.stream.say = self.print  # a stream's incomplete last global batch is dropped with a line
-        if train and self.adaptive is not None and wrapped.stream is None:
-            wrapped.group, wrapped.say = self._micro_batches_per_forward, self.print
+        if train and self._batch.joins_forwards and wrapped.stream is None:
+            wrapped.group, wrapped.say = self._batch.micro_batches_per_forward, self.print
             wrapped.join_strictly = self.strategy.shards.parameters  # each forward gathers them
         if train:
             wrapped.on_start = lambda _: self.recovery.ensure_resumed()
@@ -309,47 +315,6 @@ class Session:
         self._loaders.append(wrapped)
         return wrapped
 
-    def _plan(self, loader_batch_size: int | None) -> None:
-        cfg = self.config
-        global_bs = cfg.batch.global_batch_size or loader_batch_size
-        if global_bs is None and cfg.batch.micro_batch_size is None and cfg.batch.max_micro_batch_size is None:
-            return
-        self.batch = self._plan_sizes(global_bs)
-        self.layout.check(self.batch, loader_batch_size, self._plan_sizes)
-        reference = cfg.optim.reference_batch_size or loader_batch_size
-        if reference is None:
-            if cfg.optim.lr_scaling != "none":
-                raise ConfigError(
-                    "optim.lr_scaling needs optim.reference_batch_size (the batch size your lr was tuned for)"
-                )
-            reference = self.batch.global_batch_size
-        if self.adaptive is not None:
-            self.batch = self.adaptive.plan(self.batch)
-        self.noise.plan(self.batch)
-        self._say_why_no_noise_scale()
-        self.lr_scaling = LRScaling(
-            cfg.optim.lr_scaling,
-            self.batch.global_batch_size,
-            reference,
-            cfg.optim.warmup_steps,
-            cfg.optim.warmup_start_factor,
-        )
-
-    def _say_why_no_noise_scale(self) -> None:
-        why = self.noise.why_not
-        if why is None:
-            return
-        if self.adaptive is not None:
-            raise ConfigError(f"batch.adaptive needs the gradient noise scale, which this run cannot measure: {why}")
-        asked = self.config.sources.get("train.noise_scale", "default") != "default"
-        if asked and why != self._said_no_noise_scale:  # once per reason, not at every setup_loader
-            self._said_no_noise_scale = why
-            self.print(f"phalanx: train.noise_scale: no estimate in this run: {why}")
-
-    def _plan_sizes(self, global_batch_size: int | None, batch: BatchConfig | None = None) -> BatchPlan:
-        """``batch``: other sizes than the config's (the layout lock plans the script's own)."""
-        return type(self.strategy).plan_batch(self.config, self.world_size, global_batch_size, batch)
-
     def _setup_model(self, model: nn.Module) -> nn.Module:
         model, compiled = self.compute.take_compiled_apart(model)
         if self.memory_cap is not None and self.device.type == "cpu":
@@ -358,11 +323,7 @@ class Session:
         self.compute.before_wrap(model)
         apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
         wrapped = self.strategy.wrap_model(model)
-        if self.batch is not None and self.lr_scaling is not None:
-            # The batch was planned first (a loader set up before the model): wrapping may have
-            # changed where the noise scale can be measured (fsdp finds its reduce-scatter here).
-            self.noise.plan(self.batch)
-            self._say_why_no_noise_scale()
+        self._batch.model_wrapped()
         if self.precision.mode != "fp32":
             wrapped.forward = self.precision.wrap_forward(wrapped.forward, autocast=not self.strategy.handles_precision)
         wrapped = self.compute.after_wrap(wrapped, compile_anyway=compiled)
@@ -382,27 +343,18 @@ class Session:
     def _micro_steps_before(self) -> int:
         return self.state.micro - (self._forward_micro if self._in_accumulate else 0)
 
-    def _micro_batches_per_forward(self) -> int:
-        """batch.adaptive: the loader's micro-batches the next forward joins; never past the end of
-        the optimizer step's window, so every step sums exactly its accumulation steps' samples."""
-        if self.state.micro == 0 and self.noise.wants_one_micro_batch_first(self.state.step):
-            return 1
-        return min(self.adaptive.merge, self.accumulation_steps - self.state.micro)
-
     def _announce(self) -> None:
         """The console line and session.json: at the first setup, and again whenever a later setup
         call changes the batch plan or the models, so they hold the whole set-up in any order."""
         if not self.is_main:
             return
-        now = (self.batch, len(self._models), self.layout.fixed)
+        now = (self._batch.plan, len(self._models), self._batch.fixed_layout)
         if self._announced is not None:
             if now == self._announced:
                 return
             self._announced = now
             update = [describe_model_size(self._models)] if self._models else []
-            if self.batch:
-                update += [self.batch.describe() + self._layout_words()]
-                update += [self.lr_scaling.describe()] if self.lr_scaling else []
+            update += self._batch.describe()
             print("phalanx: set up " + " | ".join(update), flush=True)
             self._write_facts()
             return
@@ -410,10 +362,7 @@ class Session:
         parts = [self.strategy.describe(), f"device {self.device.type}", f"precision {self.precision.mode}"]
         if self._models:
             parts.append(describe_model_size(self._models))
-        if self.batch:
-            parts.append(self.batch.describe() + self._layout_words())
-        if self.lr_scaling:
-            parts.append(self.lr_scaling.describe())
+        parts += self._batch.describe()
         parts.extend(self.compute.describe())
         if self.config.preset != "none":
             parts.append(f"preset {self.config.preset}")
@@ -430,15 +379,12 @@ class Session:
                 strategy_description=self.strategy.describe(),
                 device=self.device,
                 precision=self.precision.mode,
-                batch=self.batch,
+                batch=self._batch.plan,
                 models=self._models,
                 lr_scaling=self.lr_scaling.describe() if self.lr_scaling else None,
                 config_sources=self.config.sources,
-                fixed_layout=self.layout.fixed,
+                fixed_layout=self._batch.fixed_layout,
             )
-
-    def _layout_words(self) -> str:
-        return " (layout fixed)" if self.layout.fixed else ""
 
     # -- the loop ---------------------------------------------------------------------------
     def epochs(self, epochs: int | None = None) -> Iterator[int]:
@@ -545,7 +491,7 @@ class Session:
         if self.config.optim.max_grad_norm is not None and self.gradients.clips_at_step():
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
-        multiplier = self.lr_multiplier * (self.adaptive.gain if self.adaptive is not None else 1.0)
+        multiplier = self._batch.step_multiplier(self.state.step)
         base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
         self.guards.in_step = True
         try:
@@ -570,9 +516,7 @@ class Session:
                     warnings.filterwarnings(
                         "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
                     )
-                    # Under batch.adaptive a step of k times the starting batch is k of its steps
-                    # for the schedule, which so keeps its meaning in samples seen.
-                    for _ in range(self.adaptive.k if self.adaptive is not None else 1):
+                    for _ in range(self._batch.schedule_steps):
                         for sched, _ in self.guards.schedulers:
                             sched.step()
                 self.guards.mark_schedulers()
@@ -582,7 +526,7 @@ class Session:
             lr = base[0][0] * multiplier if base else None
             self.metrics.noise_scale = self.noise.value
             self.metrics.record(
-                stepped, self.step_count, self.epoch, self.batch and self.batch.global_batch_size, self._last_loss, lr
+                stepped, self.step_count, self.epoch, self._batch.global_batch_size, self._last_loss, lr
             )
         finally:
             self.guards.in_step = False
@@ -590,19 +534,9 @@ class Session:
             self._unscaled = False
         if self.memory_cap is not None:
             self.memory_cap.check()  # the optimizer's state appears at its first step
-        if self.adaptive is not None and self.metrics.last_times is not None and stepped:
-            self.adaptive.note(*self.metrics.last_times, estimated)
-            if self.adaptive.decide(self.state.step, self.noise.value, is_adam(self._optimizers)):
-                self._apply_adaptive()
+        if stepped:
+            self._batch.after_step(self.metrics.last_times, estimated, self._optimizers)
         self.recovery.after_step()
-
-    def _apply_adaptive(self) -> None:
-        """batch.adaptive chose another multiple of the starting batch (or a resume restored one)."""
-        self.batch = self.adaptive.current()
-        self.noise.resize(self.batch)
-        joined = self.adaptive.merge
-        forwards = f", forwards of {joined} micro-batches at once" if joined > 1 else ""
-        self.print(f"phalanx: batch.adaptive: {self.batch.describe()}{forwards} from step {self.state.step}")
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
@@ -653,7 +587,7 @@ class Session:
             dim=dim,
             rank=s.data_parallel_rank,
             world_size=s.data_parallel_size,
-            plan=self.batch,
+            plan=self._batch.plan,
             micro_steps=micro_steps,
         )
 
@@ -703,7 +637,6 @@ class Session:
         return self.recovery.load(path, weights_only)
 
     def _checkpointed(self) -> TrainingObjects:
-        batch = self.batch
         return TrainingObjects(
             models=self._models,
             optimizers=self._optimizers,
@@ -711,7 +644,7 @@ class Session:
             state=self.state,
             precision=self.precision,
             internal_steps=self.guards.stepping,
-            facts={"global_batch_size": batch.global_batch_size if batch else None, "precision": self.precision.mode},
+            facts={"global_batch_size": self._batch.global_batch_size, "precision": self.precision.mode},
         )
 
     # -- teardown -----------------------------------------------------------------------------

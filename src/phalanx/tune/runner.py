@@ -110,7 +110,6 @@ class _Tuner:
         if self.base.rendezvous.nnodes > 1:
             raise PhalanxError("phalanx tune runs on one machine; tune on one node, then use the values on every node")
         self.nproc = self.base.devices.nproc
-        self.dp = strategy_class(self.base.strategy, self.nproc).data_parallel_size_for(self.nproc)
         self.directory = new_run_dir(Path(options.run_dir or self.base.config.launch.run_dir).resolve(), "tune")
         self.common = (  # after the options' own --set values
             *extra,
@@ -125,6 +124,11 @@ class _Tuner:
         self.trials: list[Trial] = []
         self._by_settings: dict[Settings, Trial] = {}
         self.plan: Announced | None = None  # the script's batch plan, from the first trial
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel processes, as the first trial's Session planned them (tune plans no batch itself)."""
+        return self.plan.processes
 
     # -- trials -----------------------------------------------------------------------------------
     def trial(self, stage: str, settings: Settings | None, label: str, *, again: bool = False) -> Trial:
