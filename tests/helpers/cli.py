@@ -1,11 +1,16 @@
-"""Run the phalanx CLI as a real subprocess with a timeout, leaving no process behind."""
+"""Run the phalanx CLI as a real subprocess with a timeout, leaving no process behind; or, for what
+ends before any process starts (a refusal, a report), call it in this process with the same view
+of its exit code and output."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,3 +59,33 @@ def run_phalanx(*args: str, cwd: Path, timeout: float = 180, env: dict | None = 
             pass
         kill_tagged(tag)
     return Result(proc.returncode, out, err)
+
+
+def call_phalanx(*args: str, cwd: Path, env: dict | None = None) -> Result:
+    """``phalanx ARGS`` as :func:`run_phalanx` sees it, called in this process: ``cli.main.main``
+    with the working directory, environment, stdout and stderr of its own, restored after. An
+    exception that escapes is printed as the interpreter would print it, exit code 1, so a test's
+    "no traceback" still means something. For commands that end before they start a process: one
+    that does start a job still works, it is only as slow as a subprocess."""
+    from phalanx.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.update(env or {})
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit:  # argparse, and --help
+                if isinstance(exit.code, str):
+                    print(exit.code, file=sys.stderr)
+                code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return Result(code, out.getvalue(), err.getvalue())

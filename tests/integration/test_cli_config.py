@@ -1,10 +1,11 @@
-"""`phalanx config init` and `phalanx config show`."""
+"""`phalanx config init` and `phalanx config show`: the first call through a real process, the rest
+called in this one (neither command starts a process)."""
 
 from __future__ import annotations
 
 import json
 
-from tests.helpers.cli import run_phalanx
+from tests.helpers.cli import call_phalanx, run_phalanx
 
 
 def test_init_defaults_then_show(tmp_path):
@@ -13,17 +14,17 @@ def test_init_defaults_then_show(tmp_path):
     text = (tmp_path / "phalanx.yaml").read_text()
     assert text.startswith("# phalanx configuration")
     assert "global_batch_size: null" in text
-    again = run_phalanx("config", "init", "--defaults", cwd=tmp_path, timeout=60)
+    again = call_phalanx("config", "init", "--defaults", cwd=tmp_path)
     assert again.returncode == 2 and "already exists; pass --force" in again.stderr
 
-    shown = run_phalanx("config", "show", "--json", "--set", "train.epochs=3", cwd=tmp_path, timeout=60)
+    shown = call_phalanx("config", "show", "--json", "--set", "train.epochs=3", cwd=tmp_path)
     data = json.loads(shown.stdout)
     assert data["train.epochs"] == {"value": 3, "source": "--set"}
     assert data["precision.mode"]["source"].startswith("file ")
 
 
 def test_init_without_a_terminal_writes_defaults(tmp_path):
-    result = run_phalanx("config", "init", "-o", "x.yaml", cwd=tmp_path, timeout=60)
+    result = call_phalanx("config", "init", "-o", "x.yaml", cwd=tmp_path)
     assert result.returncode == 0
     assert "stdin is not a terminal" in result.stdout
     assert (tmp_path / "x.yaml").is_file()
@@ -31,13 +32,13 @@ def test_init_without_a_terminal_writes_defaults(tmp_path):
 
 def test_show_table_names_sources(tmp_path):
     (tmp_path / "phalanx.yaml").write_text("precision:\n  mode: bf16\n")
-    result = run_phalanx("config", "show", cwd=tmp_path, timeout=60)
+    result = call_phalanx("config", "show", cwd=tmp_path)
     assert result.returncode == 0
     line = next(ln for ln in result.stdout.splitlines() if "precision.mode" in ln)
     assert "bf16" in line and "file phalanx.yaml" in line
 
 
 def test_show_bad_value(tmp_path):
-    result = run_phalanx("config", "show", "--set", "train.epochs=0", cwd=tmp_path, timeout=60)
+    result = call_phalanx("config", "show", "--set", "train.epochs=0", cwd=tmp_path)
     assert result.returncode == 2
     assert "invalid value 0 for 'train.epochs'" in result.stderr

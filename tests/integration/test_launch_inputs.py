@@ -1,12 +1,13 @@
-"""Issue 15, bad launch inputs through a real `phalanx launch` process: exit 2, one `phalanx: error:`
-line, no traceback, no run directory, and the script never ran (it would leave a marker file).
+"""Issue 15, bad launch inputs to `phalanx launch`: exit 2, one `phalanx: error:` line, no traceback,
+no run directory, and the script never ran (it would leave a marker file). The syntax error goes
+through a real process; the others call the command in this one, since none starts a process.
 tests/unit/test_config_inputs.py has the same cases in-process, with their exact lines."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers.cli import run_phalanx
+from tests.helpers.cli import call_phalanx, run_phalanx
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +38,9 @@ def test_refused_in_the_launcher(tmp_path, args, message):
     (tmp_path / "x.py").write_text(MARKER_SCRIPT)
     (tmp_path / "bad.py").write_text(MARKER_SCRIPT.replace("\n", "\ndef f(:\n", 1))
     (tmp_path / "afile").write_text("")
-    result = run_phalanx("launch", "--cpu", *args, cwd=tmp_path, timeout=60)
+    real = args == CASES["case5 syntax error"][0]
+    argv = ("launch", "--cpu", *args)
+    result = run_phalanx(*argv, cwd=tmp_path, timeout=60) if real else call_phalanx(*argv, cwd=tmp_path)
     assert result.returncode == 2, result.output
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("phalanx: error: "), result.stderr

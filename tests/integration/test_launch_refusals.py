@@ -1,11 +1,13 @@
 """Every combination a strategy refuses stops `phalanx launch` itself, before a worker starts: exit
-code 2, one line naming the setting, no traceback, no run directory, and the script never runs."""
+code 2, one line naming the setting, no traceback, no run directory, and the script never runs.
+The first is refused by a real `phalanx launch` process; the others by the same command called in
+this process, since nothing they check needs one."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers.cli import run_phalanx
+from tests.helpers.cli import call_phalanx, run_phalanx
 
 pytestmark = pytest.mark.multiprocess
 
@@ -59,7 +61,10 @@ REFUSED = [
 @pytest.mark.parametrize("args, message", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
 def test_refused_before_any_worker_starts(tmp_path, args, message):
     (tmp_path / "x.py").write_text("from pathlib import Path\nPath('worker-ran').write_text('yes')\n")
-    result = run_phalanx("launch", "--cpu", *args, "x.py", cwd=tmp_path, timeout=60)
+    argv = ("launch", "--cpu", *args, "x.py")
+    result = (
+        run_phalanx(*argv, cwd=tmp_path, timeout=60) if args == REFUSED[0][0] else call_phalanx(*argv, cwd=tmp_path)
+    )
     assert result.returncode == 2, result.output
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr

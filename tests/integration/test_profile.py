@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers.cli import run_phalanx
+from tests.helpers.cli import call_phalanx, run_phalanx
 from tests.helpers.scripts import tiny_training
 
 BAD = [
@@ -24,7 +24,7 @@ BAD = [
 @pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_profile_input_is_one_line_before_any_process(tmp_path, args, message):
     (tmp_path / "ok.py").write_text("print('should not run')\n")
-    result = run_phalanx("launch", "--cpu", *args, "ok.py", cwd=tmp_path, timeout=60)
+    result = call_phalanx("launch", "--cpu", *args, "ok.py", cwd=tmp_path)  # refused before any process starts
     assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "should not run" not in result.stdout and not (tmp_path / "runs").exists()
