@@ -68,29 +68,29 @@ class Session:
     def __init__(self, config: Config | None = None, **sections: Any):
         """``config`` defaults to :meth:`Config.load` (phalanx.yaml or the launcher's config);
         keyword arguments override sections, e.g. ``Session(strategy="ddp", batch={"micro_batch_size": 8})``."""
-        self.context = LaunchContext.from_env()
+        self._context = LaunchContext.from_env()
         given = config  # with ``sections``, the script's own settings (see layout.py)
         if config is None:
-            config = load_config(sections=sections, context=self.context)
-        elif sections or (self.context and self.context.overrides) or config.preset != "none":
-            config = override_config(config, sections, self.context)  # (a preset is resolved there too)
+            config = load_config(sections=sections, context=self._context)
+        elif sections or (self._context and self._context.overrides) or config.preset != "none":
+            config = override_config(config, sections, self._context)  # (a preset is resolved there too)
         self.topology = Topology.from_env()
         if self.topology.launched:  # under plain torchrun too: this rank ends with its agent
             watch_launcher(f"rank {self.topology.rank}")
         self.config = config = fit_to_device(config, self.topology.device)
-        if self.context and self.context.run_dir and self.topology.is_main:
+        if self._context and self._context.run_dir and self.topology.is_main:
             # The launcher wrote what it knew; this is what the run really uses (code settings too).
-            write_resolved(config, f"{self.context.run_dir}/config.yaml")
+            write_resolved(config, f"{self._context.run_dir}/config.yaml")
         _seed_everything(config.train.seed)
         self.strategy = create_strategy(config, self.topology)
         self.strategy.setup_environment()
         self.precision = Precision(config.precision, self.topology.device)
-        self.compute = Compute(config.compute)
-        run_dir = self.context and self.context.run_dir
+        self._compute = Compute(config.compute)
+        run_dir = self._context and self._context.run_dir
         self.metrics = create_recorder(config, self.topology, run_dir, local_forward=self.strategy.local_forward)
-        self.memory_cap = MemoryCap.create(config.train.memory_cap, self.topology.device)
-        if self.memory_cap is not None and self.device.type != "cuda":
-            self.metrics.cpu_peak = self.memory_cap.used_bytes  # CUDA records the allocator's peak itself
+        self._memory_cap = MemoryCap.create(config.train.memory_cap, self.topology.device)
+        if self._memory_cap is not None and self.device.type != "cuda":
+            self.metrics.cpu_peak = self._memory_cap.used_bytes  # CUDA records the allocator's peak itself
 
         self.state = TrainState(self.device)  # step, epoch, micro-step, data positions, RNG
         self._models: list[nn.Module] = []
@@ -101,26 +101,26 @@ class Session:
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
         self.last_throughput: Throughput | None = None
         self._in_accumulate = False
-        self.guards = PortingGuards(self._micro_steps_before)  # stray step / zero_grad / scheduler.step
+        self._guards = PortingGuards(self._micro_steps_before)  # stray step / zero_grad / scheduler.step
         self._unscaled = False
         self._last_loss: torch.Tensor | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self.weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
+        self._weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
         self._forward_micro = 1  # the loader's micro-batches in the current forward (see accumulate)
         self._joined_batch = 1  # ... in the training batch handed out last, until a forward takes it
-        self.gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
+        self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
         self._closed = False
         self._set_up = False
         self._seeded = False  # the per-rank re-seed waits for the first model (see setup())
         self._announced: tuple | None = None  # what the console line and session.json last said
-        self.step_limit = StepLimit(config.train.max_steps, lambda: self.state.step, self.print)
-        run_dir = self.context.run_dir if self.context else None
+        self._step_limit = StepLimit(config.train.max_steps, lambda: self.state.step, self.print)
+        run_dir = self._context.run_dir if self._context else None
         checkpointer = Checkpointer(
             self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last
         )
-        self.recovery = Recovery(
+        self._recovery = Recovery(
             config,
             self.topology,
             run_dir,
@@ -129,8 +129,8 @@ class Session:
             self.state,
             self._checkpointed,
             self.print,
-            self.guards.mark_schedulers,
-            job=self.context.job if self.context else None,
+            self._guards.mark_schedulers,
+            job=self._context.job if self._context else None,
         )
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
@@ -161,7 +161,7 @@ class Session:
     def should_stop(self) -> bool:
         """True once ``train.max_steps`` optimizer steps are done (never without a limit): a loop
         that does not draw from a loader phalanx returned ends itself there."""
-        return self.step_limit.reached()
+        return self._step_limit.reached()
 
     @property
     def epoch(self) -> int:
@@ -208,9 +208,9 @@ class Session:
         ``.safetensors`` or a ``.pt`` file. Rank 0 reads it one tensor at a time and broadcasts each;
         every rank keeps its share (its shards, its stage). ``strict=False`` skips missing and
         unexpected keys, as ``load_state_dict`` does; shapes must match either way."""
-        self.weights.load(model, source, strict=strict)
-        if self.memory_cap is not None:
-            self.memory_cap.check("loading holds one tensor at a time on top of the model: raise the cap")
+        self._weights.load(model, source, strict=strict)
+        if self._memory_cap is not None:
+            self._memory_cap.check("loading holds one tensor at a time on top of the model: raise the cap")
 
     def setup(self, *objects: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
@@ -225,9 +225,9 @@ class Session:
             range(len(objects)), key=lambda i: next((p for t, p in priority.items() if isinstance(objects[i], t)), 2)
         )
         out: list[Any] = [None] * len(objects)
-        capped = self.memory_cap is not None and self.step_count == 0
+        capped = self._memory_cap is not None and self.step_count == 0
         if capped:
-            self.memory_cap.begin_setup()
+            self._memory_cap.begin_setup()
         for i in order:
             out[i] = self._setup_one(objects[i])
         self._batch.finish_setup()
@@ -242,8 +242,8 @@ class Session:
         if capped:
             kind = type(self.strategy)
             shards = kind.sharding(self.config.strategy).parameters or kind.splits_layers
-            self.memory_cap.check_setup(shards_model=shards)
-            self.memory_cap.start()  # what training adds counts, not what the script loaded before
+            self._memory_cap.check_setup(shards_model=shards)
+            self._memory_cap.start()  # what training adds counts, not what the script loaded before
         return out[0] if len(out) == 1 else tuple(out)
 
     def _setup_one(self, obj: Any) -> Any:
@@ -259,7 +259,7 @@ class Session:
                 "leave it out of setup() and call scheduler.step(metric) yourself after each evaluation"
             )
         if isinstance(obj, LRScheduler):
-            self.guards.add_scheduler(obj)
+            self._guards.add_scheduler(obj)
             return obj
         raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
 
@@ -308,35 +308,35 @@ class Session:
             wrapped.group, wrapped.say = self._batch.micro_batches_per_forward, self.print
             wrapped.join_strictly = self.strategy.shards.parameters  # each forward gathers them
         if train:
-            wrapped.on_start = lambda _: self.recovery.ensure_resumed()
+            wrapped.on_start = lambda _: self._recovery.ensure_resumed()
             wrapped.on_iterating = lambda _: self.state.restore_rng()
             self.state.add_loader(wrapped)
-            wrapped.stop_when = self.step_limit.reached
+            wrapped.stop_when = self._step_limit.reached
         self._loaders.append(wrapped)
         return wrapped
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        model, compiled = self.compute.take_compiled_apart(model)
-        if self.memory_cap is not None and self.device.type == "cpu":
-            self.memory_cap.add_arrived(materialized_bytes(model))  # what a GPU run would copy onto its device
+        model, compiled = self._compute.take_compiled_apart(model)
+        if self._memory_cap is not None and self.device.type == "cpu":
+            self._memory_cap.add_arrived(materialized_bytes(model))  # what a GPU run would copy onto its device
         model = self.strategy.place(model)
-        self.compute.before_wrap(model)
+        self._compute.before_wrap(model)
         apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
         wrapped = self.strategy.wrap_model(model)
         self._batch.model_wrapped()
         if self.precision.mode != "fp32":
             wrapped.forward = self.precision.wrap_forward(wrapped.forward, autocast=not self.strategy.handles_precision)
-        wrapped = self.compute.after_wrap(wrapped, compile_anyway=compiled)
+        wrapped = self._compute.after_wrap(wrapped, compile_anyway=compiled)
         # The user's methods, attributes and state-dict keys on what they get back (same object).
         wrapped = expose(wrapped, model, self.strategy.direct_calls)
-        self.weights.watch(wrapped, model)
+        self._weights.watch(wrapped, model)
         self._models.append(wrapped)
         self.metrics.watch_model(wrapped, self.strategy.unwrap(wrapped))
         return wrapped
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        optimizer = self.compute.setup_optimizer(optimizer, self.strategy.wrap_optimizer)
-        self.guards.guard_optimizer(optimizer)
+        optimizer = self._compute.setup_optimizer(optimizer, self.strategy.wrap_optimizer)
+        self._guards.guard_optimizer(optimizer)
         self._optimizers.append(optimizer)
         return optimizer
 
@@ -363,18 +363,18 @@ class Session:
         if self._models:
             parts.append(describe_model_size(self._models))
         parts += self._batch.describe()
-        parts.extend(self.compute.describe())
+        parts.extend(self._compute.describe())
         if self.config.preset != "none":
             parts.append(f"preset {self.config.preset}")
         print("phalanx: " + " | ".join(parts), flush=True)
         self._write_facts()
-        for note in self.compute.notes:
+        for note in self._compute.notes:
             print(note, flush=True)
 
     def _write_facts(self) -> None:
-        if self.context and self.context.run_dir:
+        if self._context and self._context.run_dir:
             write_run_facts(
-                self.context.run_dir,
+                self._context.run_dir,
                 strategy=self.strategy.name,
                 strategy_description=self.strategy.describe(),
                 device=self.device,
@@ -390,9 +390,9 @@ class Session:
     def epochs(self, epochs: int | None = None) -> Iterator[int]:
         """Yield epoch numbers, reshuffling every training loader (``set_epoch``) for each."""
         total = self.config.train.epochs if epochs is None else epochs
-        self.recovery.ensure_resumed()
+        self._recovery.ensure_resumed()
         for epoch in range(self.state.epoch, total):
-            if self.step_limit.reached():
+            if self._step_limit.reached():
                 return  # the epoch stays where training stopped: a resume with a higher limit goes on from there
             self.state.epoch = epoch
             for loader in self._loaders:
@@ -431,9 +431,9 @@ class Session:
     def accumulate(self, model: nn.Module) -> Iterator[None]:
         """One micro-step: gradients are synchronised and the optimizer stepped only on the last
         micro-step of each global batch."""
-        if not self.recovery.resume_checked:
-            self.recovery.ensure_resumed()
-        self.recovery.beat()
+        if not self._recovery.resume_checked:
+            self._recovery.ensure_resumed()
+        self._recovery.beat()
         # A forward may hold several of the loader's micro-batches (batch.adaptive joins them):
         # micro-steps count micro-batches, so the window and the loss's share stay the plan's.
         self._forward_micro, self._joined_batch = self._joined_batch, 1
@@ -460,15 +460,15 @@ class Session:
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
         first = self.state.micro == joined
-        self.gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and not first)
+        self._gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and not first)
         where = (self.state.step, first, joined, steps, self.sync_gradients)
         self.noise.before_backward(*where)
         # The mean over `joined` micro-batches is `joined` of the step's 1/steps shares.
         self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
         self.noise.after_backward(*where, self.precision.scaler)
-        self.gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
-        if self.memory_cap is not None:
-            self.memory_cap.check()
+        self._gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
+        if self._memory_cap is not None:
+            self._memory_cap.check()
 
     def clip_grad_norm_(self, max_norm: float, model: nn.Module | None = None) -> torch.Tensor | None:
         """Clip the global gradient norm; returns it. Does nothing (returns None) on micro-steps
@@ -486,14 +486,14 @@ class Session:
 
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
-        self.guards.check_schedulers()
+        self._guards.check_schedulers()
         estimated = self.metrics.noise_estimated = self.noise.measuring(self.state.step)
-        if self.config.optim.max_grad_norm is not None and self.gradients.clips_at_step():
+        if self.config.optim.max_grad_norm is not None and self._gradients.clips_at_step():
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
         multiplier = self._batch.step_multiplier(self.state.step)
         base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
-        self.guards.in_step = True
+        self._guards.in_step = True
         try:
             for opt in self._optimizers:
                 for group in opt.param_groups:
@@ -517,26 +517,26 @@ class Session:
                         "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
                     )
                     for _ in range(self._batch.schedule_steps):
-                        for sched, _ in self.guards.schedulers:
+                        for sched, _ in self._guards.schedulers:
                             sched.step()
-                self.guards.mark_schedulers()
+                self._guards.mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
-            self.gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
+            self._gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
             lr = base[0][0] * multiplier if base else None
             self.metrics.noise_scale = self.noise.value
             self.metrics.record(
                 stepped, self.step_count, self.epoch, self._batch.global_batch_size, self._last_loss, lr
             )
         finally:
-            self.guards.in_step = False
+            self._guards.in_step = False
             self.state.micro = 0
             self._unscaled = False
-        if self.memory_cap is not None:
-            self.memory_cap.check()  # the optimizer's state appears at its first step
+        if self._memory_cap is not None:
+            self._memory_cap.check()  # the optimizer's state appears at its first step
         if stepped:
             self._batch.after_step(self.metrics.last_times, estimated, self._optimizers)
-        self.recovery.after_step()
+        self._recovery.after_step()
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
@@ -548,7 +548,7 @@ class Session:
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
-        self.gradients.after_step()
+        self._gradients.after_step()
 
     def _loss_value(self) -> float | None:
         return float(self._last_loss) if self._last_loss is not None else None
@@ -565,7 +565,7 @@ class Session:
         self._active_loader = loader
         if loader.group is not None:  # only a training loader's batches are joined; evaluation's never count
             self._joined_batch = loader.last_group
-        self.recovery.beat()
+        self._recovery.beat()
 
     def reduce(self, value: Any, op: str = "mean") -> Any:
         """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min."""
@@ -598,7 +598,7 @@ class Session:
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
-        self.recovery.beat()
+        self._recovery.beat()
 
     # -- output -----------------------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -613,8 +613,8 @@ class Session:
         values = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         record = {"time": time.time(), "step": self.step_count, "epoch": self.epoch, **values}
         print("  ".join(f"{k} {_fmt(v)}" for k, v in values.items()), flush=True)
-        if self.context and self.context.run_dir:
-            with open(f"{self.context.run_dir}/metrics.jsonl", "a", encoding="utf-8") as fh:
+        if self._context and self._context.run_dir:
+            with open(f"{self._context.run_dir}/metrics.jsonl", "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
 
     # -- models out ---------------------------------------------------------------------------
@@ -629,21 +629,21 @@ class Session:
     def save(self) -> Path:
         """Write a full checkpoint (models, optimizers, schedulers, scaler, counters, data position,
         every rank's RNG) into ``checkpoint.dir``, atomically; every rank must call it. Returns its directory."""
-        return self.recovery.save()
+        return self._recovery.save()
 
     def load(self, path: str | Path | None = None, *, weights_only: bool = False) -> Path:
         """Restore from checkpoint ``path`` (default: the latest in ``checkpoint.dir``); every rank
         must call it, after setup(). ``weights_only``: only the models' weights (e.g. to fine-tune)."""
-        return self.recovery.load(path, weights_only)
+        return self._recovery.load(path, weights_only)
 
     def _checkpointed(self) -> TrainingObjects:
         return TrainingObjects(
             models=self._models,
             optimizers=self._optimizers,
-            schedulers=[sched for sched, _ in self.guards.schedulers],
+            schedulers=[sched for sched, _ in self._guards.schedulers],
             state=self.state,
             precision=self.precision,
-            internal_steps=self.guards.stepping,
+            internal_steps=self._guards.stepping,
             facts={"global_batch_size": self._batch.global_batch_size, "precision": self.precision.mode},
         )
 
@@ -653,7 +653,7 @@ class Session:
         if not self._closed:
             self._closed = True
             self.metrics.close()
-            self.recovery.close()
+            self._recovery.close()
             self.strategy.teardown(sync=sync)
 
     def __enter__(self) -> "Session":

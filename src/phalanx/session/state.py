@@ -5,11 +5,15 @@ it through ``state_dict()`` like any other stateful object."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from phalanx.checkpoint import rng
+
+if TYPE_CHECKING:
+    from phalanx.session.adaptive import AdaptiveBatch
+    from phalanx.session.noise import NoiseProbe
 
 
 class Resumable(Protocol):
@@ -32,8 +36,10 @@ class TrainState:
         self.micro = 0  # micro-steps into the current global batch
         self.loaders: list[Resumable] = []  # training loaders, in set-up order
         self._pending_rng: dict[str, Any] | None = None  # restored when the next training pass starts
-        self.noise: Any = None  # the noise-scale estimate (session/noise.py): its moving averages resume too
-        self.adaptive: Any = None  # batch.adaptive's choices (session/adaptive.py)
+        # Set by the batch owner (batch_plan.py): the noise scale's moving averages and batch.adaptive's
+        # choices resume with the run.
+        self.noise: NoiseProbe | None = None
+        self.adaptive: AdaptiveBatch | None = None
 
     def add_loader(self, loader: Resumable) -> None:
         self.loaders.append(loader)
