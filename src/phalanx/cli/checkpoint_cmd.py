@@ -9,6 +9,7 @@ from rich.table import Table
 
 from phalanx.checkpoint.export import FORMATS, export, open_checkpoint, output_format
 from phalanx.checkpoint.files import describe_layout
+from phalanx.cli import options
 from phalanx.cli.console import console
 from phalanx.util.units import format_bytes
 
@@ -27,7 +28,7 @@ def register(commands) -> None:
         action="store_true",
         help="skip the SHA-256 check of every file (fast for very large checkpoints)",
     )
-    info.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    options.add_json(info, "the manifest as it is stored")
     info.set_defaults(run=_info)
     out = sub.add_parser(
         "export",

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.prompt import Confirm, IntPrompt, Prompt
 from rich.table import Table
 
+from phalanx.cli import options
 from phalanx.cli.console import console
 from phalanx.config.loader import DEFAULT_FILE, load_config
 from phalanx.config.schema import Config
@@ -32,16 +33,9 @@ def register(commands) -> None:
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     init.set_defaults(run=_run_init)
     show = sub.add_parser("show", help="print the resolved config and where each value came from")
-    show.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_FILE} when present)")
-    show.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one value (repeatable)",
-    )
-    show.add_argument("--json", action="store_true", help="machine-readable output")
+    options.add_config(show)
+    options.add_set(show)
+    options.add_json(show)
     show.set_defaults(run=_run_show)
     config.set_defaults(run=lambda args: config.print_help() or 2)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from phalanx.cli import options
 from phalanx.cli.console import console
-from phalanx.config.loader import DEFAULT_FILE, load_config
+from phalanx.config.loader import load_config
 from phalanx.diagnose.doctor import DoctorOptions, run_doctor
 from phalanx.diagnose.facts import gather_facts
 from phalanx.diagnose.printout import doctor_json, doctor_renderables, env_report, env_text
@@ -23,16 +24,9 @@ def register(commands) -> None:
             "and the distributed environment variables, as one block to paste into a bug report."
         ),
     )
-    env.add_argument("--config", metavar="FILE", help=f"config file (default: ./{DEFAULT_FILE} when present)")
-    env.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config value (repeatable)",
-    )
-    env.add_argument("--json", action="store_true", help="machine-readable output")
+    options.add_config(env)
+    options.add_set(env)
+    options.add_json(env)
     env.set_defaults(run=_run_env)
 
     doctor = commands.add_parser(
@@ -62,7 +56,7 @@ def register(commands) -> None:
         "--iters", type=int, metavar="N", help="timed iterations per size (default 10 on CPU, 20 on GPU)"
     )
     doctor.add_argument("--no-live", dest="live", action="store_false", help="skip the live all-reduce")
-    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    options.add_json(doctor)
     doctor.set_defaults(run=_run_doctor)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.cli import options
 from phalanx.launch.launcher import LAUNCH_FLAGS, LaunchRequest, launch
 from phalanx.metrics.profile import profile_overrides
 
@@ -20,17 +21,8 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
         "--gpus", metavar="LIST", help="GPU indices to use, e.g. 0,2 (indices into CUDA_VISIBLE_DEVICES when it is set)"
     )
     parser.add_argument("--cpu", action="store_true", help="run CPU processes on gloo even when GPUs are present")
-    parser.add_argument(
-        "--config", metavar="FILE", help="YAML or TOML config file (default: ./phalanx.yaml when present)"
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config value, e.g. --set precision.mode=bf16 (repeatable)",
-    )
+    options.add_config(parser)
+    options.add_set(parser)
     parser.add_argument(
         "--ranks",
         choices=["0", "all"],

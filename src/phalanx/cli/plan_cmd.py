@@ -13,13 +13,14 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from phalanx.cli import options
 from phalanx.cli.console import console as make_console
-from phalanx.config.sections import FSDPConfig
 from phalanx.errors import PhalanxError
 from phalanx.plan import count_parameters, load_factory, make_plan, measure_activations
-from phalanx.plan.accounting import VARIANTS, host_bytes_whole, shards_by_unit
+from phalanx.plan.accounting import host_bytes_whole, shards_by_unit, variants
 from phalanx.plan.measure import build, count_shard_units
 from phalanx.plan.report import left_out
+from phalanx.strategies.fsdp import FSDPConfig
 
 EXAMPLES = {  # name: (factory path, per-sample input shape, input dtype)
     "digits": ("phalanx.demo.digits:DigitsCNN", "1,8,8", "float"),
@@ -103,7 +104,7 @@ def register(commands) -> None:
         default="phalanx",
         help="phalanx: what phalanx keeps (fp32 state); zero-paper: 2+2+12 bytes per parameter",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    options.add_json(p)
     p.set_defaults(run=_run)
 
 
@@ -229,13 +230,14 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
         )
     for cls, why in left_out(args.precision, sequential):
         console.print(f"{cls.name} is left out: {why}")
-    for cls in dict.fromkeys(VARIANTS[r.strategy].strategy for r in plan.rows):
+    rows_of = variants()
+    for cls in dict.fromkeys(rows_of[r.strategy].strategy for r in plan.rows):
         if cls.splits_layers:
             needs = "needs an nn.Sequential model; " if cls.needs_sequential else ""
             console.print(f"{cls.name}: {needs}stages assumed balanced (parameters and activations / devices)")
     sharded = [r for r in plan.rows if shards_by_unit(r.strategy)]
     if sharded:
-        name = VARIANTS[sharded[0].strategy].strategy.name
+        name = rows_of[sharded[0].strategy].strategy.name
         if plan.fsdp_units is None:
             console.print(
                 f"{name} set-up assumes no FSDP unit above 1/{plan.devices} of the parameters; "

@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from phalanx.cli import options
+
+_EVERY_COMMAND = {"--config": options.add_config, "--set": options.add_set}
 # flag -> add_argument keywords; {verb} and {unit} in a help text are the command's words.
 _SHARED: dict[str, dict[str, Any]] = {
     "--demo": {"action": "store_true", "help": "{verb} the built-in digits demo instead of a script"},
@@ -21,14 +24,6 @@ _SHARED: dict[str, dict[str, Any]] = {
         "metavar": "N",
         "help": "first steps of each {unit} left out of its figures (default {default})",
     },
-    "--set": {
-        "dest": "overrides",
-        "action": "append",
-        "default": [],
-        "metavar": "KEY=VALUE",
-        "help": "override one config value for every {unit} (repeatable)",
-    },
-    "--config": {"metavar": "FILE", "help": "YAML or TOML config file (default: ./phalanx.yaml when present)"},
     "--run-dir": {"metavar": "DIR", "help": "parent of the {verb} directory (default: launch.run_dir, 'runs')"},
     "--cpu": {"action": "store_true", "help": "run CPU processes on gloo even when GPUs are present"},
 }
@@ -42,7 +37,12 @@ class TrialArguments:
         self.parser, self.verb, self.unit = parser, verb, unit
 
     def add(self, flag: str, **changes: Any) -> None:
-        """One shared flag; ``changes`` replace its keywords (a ``help`` given here is used as is)."""
+        """One shared flag; ``changes`` replace its keywords (a ``help`` given here is used as is).
+        ``--config`` and ``--set`` are every command's (cli/options.py): ``also`` adds this
+        command's clause to their one help text."""
+        if flag in _EVERY_COMMAND:
+            _EVERY_COMMAND[flag](self.parser, changes.get("also") or f"for every {self.unit}")
+            return
         keywords = {**_SHARED[flag], **changes}
         if "help" not in changes:
             keywords["help"] = keywords["help"].format(verb=self.verb, unit=self.unit, default=keywords.get("default"))

@@ -28,11 +28,8 @@ def register(commands) -> None:
     shared = TrialArguments(tune, verb="tune", unit="trial")
     shared.add("--demo")
     tune.add_argument("--nproc", type=int, metavar="N", help="processes (default: what `phalanx launch` would use)")
-    shared.add(
-        "--config",
-        help="config file the trials read and the winners go into (default: ./phalanx.yaml, created when absent)",
-    )
-    shared.add("--set", help="override one config value for every trial (repeatable; not written)")
+    shared.add("--config", also="the trials read it and the winners go into it (created when absent)")
+    shared.add("--set", also="for every trial, not written into the file")
     tune.add_argument(
         "--memory-cap",
         metavar="SIZE",
