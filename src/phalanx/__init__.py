@@ -18,10 +18,16 @@ _EXPORTS = {
     "spawn": "phalanx.launch.spawn",
 }
 
+# A Config knows strategy.ddp, strategy.fsdp, ... once the strategies have registered them (the
+# config layer sits below the strategies and cannot import them), so phalanx.Config loads them first.
+_FIRST = {"Config": "phalanx.strategies"}
+
 __all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        if name in _FIRST:
+            importlib.import_module(_FIRST[name])
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'phalanx' has no attribute '{name}'")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.config.schema import Config, PipelineConfig
+from phalanx.config.schema import Config
 from phalanx.errors import ConfigError
 from phalanx.launch.launcher import LaunchRequest, prepare
 from phalanx.strategies.checks import check_combination
-from phalanx.strategies.pipeline import Pipeline, cannot_cut, pipeline_microbatches
+from phalanx.strategies.pipeline import Pipeline, PipelineConfig, cannot_cut, pipeline_microbatches
 
 
 @pytest.mark.parametrize("stages, expected", [(1, 4), (2, 4), (4, 4), (5, 5), (8, 8)])

@@ -12,8 +12,8 @@ import pytest
 from torch import nn
 
 from phalanx.cli.main import main
-from phalanx.config.sections import FSDPConfig
 from phalanx.plan import ShardUnits, count_shard_units, make_plan, setup_peak
+from phalanx.strategies.fsdp import FSDPConfig
 
 GIB = 1024**3
 PLAN = {

@@ -6,11 +6,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from phalanx.plan.accounting import VARIANTS
+from phalanx.plan.accounting import variants
 from phalanx.strategies import STRATEGIES
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "phalanx"
-NAMES = frozenset(STRATEGIES) | frozenset(VARIANTS)  # the plan's rows: fsdp-zero2, fsdp-zero3, ...
+NAMES = frozenset(STRATEGIES) | frozenset(variants())  # the plan's rows: fsdp-zero2, fsdp-zero3, ...
 
 
 def _names_in(node: ast.AST) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, PrivateAttr, model_validator
+from pydantic.fields import FieldInfo
 
 from phalanx.config.sections import (
     SHORTHAND,
@@ -13,12 +14,9 @@ from phalanx.config.sections import (
     CheckpointConfig,
     ComputeConfig,
     DataConfig,
-    DDPConfig,
     FaultsConfig,
-    FSDPConfig,
     LaunchConfig,
     OptimConfig,
-    PipelineConfig,
     PrecisionConfig,
     Section,
     StrategyConfig,
@@ -67,16 +65,6 @@ class Config(Section):
     # Rules across sections that depend on the strategy (fsdp and fp16, a comm hook without DDP, ...)
     # are the strategies' own: phalanx.strategies.checks, which the launcher and the Session call.
     @model_validator(mode="after")
-    def _first_bucket_fits(self):
-        first, cap = self.strategy.ddp.first_bucket_cap_mb, self.strategy.ddp.bucket_cap_mb
-        if first is not None and first > cap:
-            raise ValueError(
-                f"strategy.ddp.first_bucket_cap_mb ({first:g}) is larger than bucket_cap_mb ({cap:g}); "
-                "the first bucket is meant to be small, so its all-reduce starts early: lower it or set it to null"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _compile_mode_needs_compile(self):
         compute = self.compute
         if compute.compile_mode != "default" and not compute.compile:
@@ -91,6 +79,44 @@ class Config(Section):
         return flatten(self.model_dump())
 
 
+def register_strategy_options(key: str, section: type[Section]) -> None:
+    """Add ``section`` to the tree as ``strategy.<key>``, a strategy's own options. The strategies
+    call this as they register (strategies/registry.py): they sit above this layer, so the tree
+    cannot import their sections. Registering the same section again changes nothing."""
+    known = StrategyConfig.model_fields.get(key)
+    if known is not None:
+        if known.annotation is section:
+            return
+        raise ValueError(f"strategy.{key} is already {known.annotation.__name__}, not {section.__name__}")
+    # pydantic has no public API to add a field to a built model; a new FieldInfo in model_fields
+    # and a forced rebuild does it (pydantic 2.14; tests/unit/test_strategy_plugin.py checks it).
+    # The class stays the same object, so every module that imported Config sees the new section.
+    StrategyConfig.model_fields[key] = FieldInfo.from_annotated_attribute(section, Field(default_factory=section))
+    _rebuild()
+
+
+def unregister_strategy_options(key: str) -> None:
+    """Remove ``strategy.<key>`` (a test's strategy, once the test is done)."""
+    if key in ("name", "activation_checkpointing"):
+        raise ValueError(f"strategy.{key} belongs to every strategy")
+    if StrategyConfig.model_fields.pop(key, None) is not None:
+        _rebuild()
+
+
+def describe_strategy_names(description: str) -> None:
+    """The comment on ``strategy.name`` that ``phalanx config init`` writes: the registry's names."""
+    StrategyConfig.model_fields["name"] = FieldInfo.from_annotated_attribute(
+        str, Field("auto", description=description)
+    )
+    _rebuild()
+
+
+def _rebuild() -> None:
+    # Config's validator holds a copy of StrategyConfig's, so both are rebuilt.
+    StrategyConfig.model_rebuild(force=True)
+    Config.model_rebuild(force=True)
+
+
 __all__ = [
     "Config",
     "SHORTHAND",
@@ -99,14 +125,14 @@ __all__ = [
     "BatchConfig",
     "CheckpointConfig",
     "ComputeConfig",
-    "DDPConfig",
     "DataConfig",
-    "FSDPConfig",
     "FaultsConfig",
     "LaunchConfig",
     "OptimConfig",
-    "PipelineConfig",
     "PrecisionConfig",
     "StrategyConfig",
     "TrainConfig",
+    "describe_strategy_names",
+    "register_strategy_options",
+    "unregister_strategy_options",
 ]

@@ -14,7 +14,6 @@ from phalanx.util.sizes import size_bytes
 # 64 bits it would overflow there, long after the config was accepted.
 INT64 = (-(2**63), 2**63 - 1)
 A_WEEK = 7 * 24 * 3600.0  # seconds: the longest timeout that still means something
-ONE_TIB_IN_MIB = 1024.0 * 1024  # DDP turns bucket sizes into a byte count of C++'s int64
 MAX_NPROC = 1024  # processes on one machine: beyond any node's GPUs or cores
 MAX_NNODES = 65536
 CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # and str.splitlines()'s line breaks
@@ -39,134 +38,31 @@ class Section(BaseModel):
         return value
 
 
-class DDPConfig(Section):
-    bucket_cap_mb: float = Field(
-        25.0,
-        gt=0,
-        le=ONE_TIB_IN_MIB,
-        description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces",
-    )
-    first_bucket_cap_mb: Optional[float] = Field(
-        None,
-        gt=0,
-        le=ONE_TIB_IN_MIB,
-        description=(
-            "size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner "
-            "(null: every bucket is bucket_cap_mb)"
-        ),
-    )
-    gradient_as_bucket_view: bool = Field(
-        True, description="gradients alias the communication buckets (saves one copy of the gradients)"
-    )
-    static_graph: bool = Field(
-        False, description="the set of used parameters never changes between steps (enables DDP's graph optimisations)"
-    )
-    find_unused_parameters: Union[bool, Literal["auto"]] = Field(
-        "auto",
-        description=(
-            "auto: find in the first step whether some parameter gets no gradient, then run at full speed (none) "
-            "or keep searching every step (some: named once) | "
-            "true: search every step (costs a graph traversal per step) | false: never"
-        ),
-    )
-    broadcast_buffers: bool = Field(
-        True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward"
-    )
-    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
-        "none",
-        description=(
-            "gradient compression for the all-reduce: "
-            "none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)"
-        ),
-    )
-    powersgd_rank: int = Field(
-        1, gt=0, description="powersgd: rank of the low-rank approximation (higher: more accurate, more traffic)"
-    )
-    powersgd_start_step: int = Field(
-        10, ge=2, description="powersgd: optimizer steps of uncompressed all-reduce before compression starts"
-    )
-    powersgd_warm_start: bool = Field(
-        True, description="powersgd: reuse the last step's low-rank factors (cheaper, usually as accurate)"
-    )
-
-    @field_validator("find_unused_parameters", mode="before")
-    @classmethod
-    def _auto_or_bool(cls, value):
-        if isinstance(value, bool) or value == "auto":
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError("find_unused_parameters must be auto, true or false")
-
-
-class FSDPConfig(Section):
-    reshard_after_forward: bool = Field(
-        True,
-        description=(
-            "free gathered parameters after forward (ZeRO-3-like); "
-            "false keeps them until backward (ZeRO-2-like: more memory, less communication)"
-        ),
-    )
-    wrap: list[str] = Field(
-        default_factory=list,
-        description=(
-            "module class names that each become a shard unit, e.g. [TransformerBlock] (empty: automatic by size)"
-        ),
-    )
-    min_params: int = Field(
-        100_000,
-        gt=0,
-        description=(
-            "automatic wrapping: a submodule with at least this many parameters of its own becomes a shard unit"
-        ),
-    )
-    reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="dtype of gradient reduction under bf16 precision"
-    )
-    cpu_offload: bool = Field(
-        False,
-        description=(
-            "keep sharded parameters, gradients and optimizer state in CPU memory "
-            "(slow; for models that do not fit otherwise)"
-        ),
-    )
-
-
-class PipelineConfig(Section):
-    schedule: Literal["gpipe", "1f1b"] = Field(
-        "1f1b", description="gpipe: all forwards, then all backwards; 1f1b: interleaved, fewer activations held"
-    )
-    microbatches: Optional[int] = Field(
-        None,
-        gt=0,
-        description=(
-            "pipeline micro-batches each micro-batch is cut into (must divide batch.micro_batch_size; "
-            "null: one per stage, at least 4)"
-        ),
-    )
-    split_points: list[str] = Field(
-        default_factory=list,
-        description="child names where a new stage begins, e.g. ['4', '8'] (empty: balanced by parameter count)",
-    )
-
-
 class StrategyConfig(Section):
-    name: str = Field(
-        "auto",
-        description=(
-            "auto | single | dp | ddp | zero1 | fsdp | model_parallel | pipeline "
-            "(auto: ddp with several processes, else single)"
-        ),
-    )
+    """What every strategy reads. Each strategy's own options section (``strategy.ddp``, ...) is
+    declared next to the strategy and added here when the strategy registers (schema.py's
+    ``register_strategy_options``): this layer sits below the strategies and cannot import them."""
+
+    name: str = Field("auto", description="auto (the strategies add their names when they register)")
     activation_checkpointing: list[str] = Field(
         default_factory=list,
         description=(
             "module class names whose activations are recomputed in backward instead of stored, e.g. [TransformerBlock]"
         ),
     )
-    ddp: DDPConfig = Field(default_factory=DDPConfig)
-    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strategies_registered(cls, data):
+        # Only the two fields above: no strategy has registered (phalanx.strategies not imported),
+        # so strategy.ddp would be refused as unknown, which it is not.
+        if isinstance(data, dict) and len(cls.model_fields) == 2 and set(data) - set(cls.model_fields):
+            raise ValueError(
+                f"strategy.{sorted(set(data) - set(cls.model_fields))[0]} is a strategy's own section, and the "
+                "strategies add theirs when phalanx.strategies is imported (phalanx.Config and phalanx.Session "
+                "import it); import phalanx.strategies before building a Config from phalanx.config"
+            )
+        return data
 
 
 class BatchConfig(Section):

@@ -10,14 +10,14 @@ Two accountings:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from phalanx.config.sections import FSDPConfig, StrategyConfig
+import yaml
+
+from phalanx.config.sections import StrategyConfig
 from phalanx.strategies import Sharding, Strategy
-from phalanx.strategies.ddp import DDP
-from phalanx.strategies.fsdp import FSDP
-from phalanx.strategies.pipeline import Pipeline
-from phalanx.strategies.zero1 import Zero1
+from phalanx.strategies.plan_rows import PlanRow
+from phalanx.strategies.registry import STRATEGIES, options_key_of
 
 OPTIMIZER_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}  # fp32 state bytes per parameter
 PAPER_K = 12
@@ -25,25 +25,40 @@ PAPER_K = 12
 
 @dataclass(frozen=True)
 class Variant:
-    """A row of the plan: a strategy under the settings that change what it holds."""
+    """A row of the plan: a strategy under the settings that change what it holds (its PlanRow)."""
 
     strategy: type[Strategy]
-    settings: StrategyConfig = field(default_factory=StrategyConfig)
+    row: PlanRow
+
+    @property
+    def settings(self) -> StrategyConfig:
+        """The config's ``strategy`` section under this row."""
+        return StrategyConfig.model_validate(self._section())
 
     @property
     def shards(self) -> Sharding:
         return self.strategy.sharding(self.settings)
 
+    @property
+    def config_lines(self) -> str:
+        """The phalanx.yaml lines that choose this row."""
+        tree = {"strategy": self._section()}
+        return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip("\n")
 
-VARIANTS = {
-    "ddp": Variant(DDP),
-    "zero1": Variant(Zero1),
-    "fsdp-zero2": Variant(FSDP, StrategyConfig(fsdp=FSDPConfig(reshard_after_forward=False))),
-    "fsdp-zero3": Variant(FSDP, StrategyConfig(fsdp=FSDPConfig(reshard_after_forward=True))),
-    "pipeline": Variant(Pipeline),
-}
-# What each row shards, from its strategy's own declaration.
-SHARDING: dict[str, Sharding] = {name: variant.shards for name, variant in VARIANTS.items()}
+    def _section(self) -> dict:
+        own = {options_key_of(self.strategy): self.row.options} if self.row.options else {}
+        return {"name": self.strategy.name, **own}
+
+
+def variants() -> dict[str, Variant]:
+    """The plan's rows by label, from the registered strategies' ``plan_rows``: least traffic
+    first, then in registry order."""
+    found = [
+        ((row.traffic, i, j), Variant(cls, row))
+        for i, cls in enumerate(STRATEGIES.values())
+        for j, row in enumerate(cls.plan_rows)
+    ]
+    return {variant.row.label: variant for _, variant in sorted(found, key=lambda pair: pair[0])}
 
 
 @dataclass(frozen=True)
@@ -67,13 +82,13 @@ def model_state(
     trainable: int | None = None,
     compute_bytes: int = 4,
 ) -> ModelState:
-    """Peak bytes per device of model state under ``strategy`` (a key of VARIANTS).
+    """Peak bytes per device of model state under ``strategy`` (a row label of variants()).
 
     ``trainable``: parameters that get gradients and optimizer state (default: all).
     ``compute_bytes``: bytes per parameter of the copy FSDP gathers for compute (2 under bf16).
     """
     trainable = n_params if trainable is None else trainable
-    shards = SHARDING[strategy]
+    shards = variants()[strategy].shards
     p, g, o = (devices if sharded else 1 for sharded in (shards.parameters, shards.gradients, shards.optimizer))
     if accounting == "zero-paper":
         return ModelState(parameters=2 * n_params / p, gradients=2 * trainable / g, optimizer=PAPER_K * trainable / o)
@@ -110,7 +125,7 @@ def setup_peak(
     largest_unit: float | None = None,
     largest_parameter: float | None = None,
 ) -> SetUp:
-    """Set-up peak per device under ``strategy`` (a key of VARIANTS).
+    """Set-up peak per device under ``strategy`` (a row label of variants()).
 
     ``largest_unit``: parameters of FSDP's largest shard unit, its own (not those of a unit
     inside it), the model's remainder counting as a unit; ``largest_parameter``: the largest
@@ -120,11 +135,12 @@ def setup_peak(
     unit = bound if largest_unit is None else largest_unit
     tensor = bound if largest_parameter is None else largest_parameter
     full = float(SETUP_BYTES * n_params)
-    if VARIANTS[strategy].strategy.splits_layers:
+    variant = variants()[strategy]
+    if variant.strategy.splits_layers:
         # Only this rank's stage goes onto the device in either construction; whole construction
         # keeps the rest in host memory.
         return SetUp(whole=full / devices, deferred=full / devices)
-    shards = SHARDING[strategy]
+    shards = variant.shards
     if shards.parameters or shards.keeps_gathered:
         shard = full / devices
         # load_weights() broadcasts one whole tensor at a time, of which each rank keeps its shard.
@@ -140,7 +156,7 @@ def setup_peak(
 def shards_by_unit(strategy: str) -> bool:
     """Whether the row stores parameters sharded unit by unit (fsdp), so that its set-up peak
     depends on the largest shard unit."""
-    variant = VARIANTS[strategy]
+    variant = variants()[strategy]
     return not variant.strategy.splits_layers and (variant.shards.parameters or variant.shards.keeps_gathered)
 
 

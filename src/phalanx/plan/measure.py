@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from phalanx._torch_compat import view_base
-from phalanx.config.sections import FSDPConfig
 from phalanx.errors import PhalanxError
 from phalanx.runtime.recompute import apply_activation_checkpointing
-from phalanx.strategies.fsdp import shard_units
+from phalanx.strategies.fsdp import FSDPConfig, shard_units
 from phalanx.util.tree import map_tensors
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

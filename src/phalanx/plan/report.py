@@ -4,24 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from phalanx.plan.accounting import VARIANTS, model_state, setup_peak
+from phalanx.plan.accounting import model_state, setup_peak, variants
 from phalanx.plan.measure import Activations, ShardUnits
 from phalanx.strategies import Strategy
 
-# Least communication first, in parameter-sized volumes per step as these implementations move
-# them: ddp all-reduces (2); fsdp-zero2 reduce-scatters and all-gathers once (2); zero1 is DDP's
-# all-reduce plus ZeroRedundancyOptimizer's broadcast of updated parameters (3); fsdp-zero3
-# all-gathers again for backward (3).
-# pipeline comes last: it sends only activations between stages, but its stages idle in the
-# pipeline bubble, (N-1)/(M+N-1) of each step with M pipeline micro-batches.
-ORDER = ["ddp", "fsdp-zero2", "zero1", "fsdp-zero3", "pipeline"]
-CONFIG_LINES = {
-    "ddp": "strategy:\n  name: ddp",
-    "zero1": "strategy:\n  name: zero1",
-    "fsdp-zero2": "strategy:\n  name: fsdp\n  fsdp:\n    reshard_after_forward: false",
-    "fsdp-zero3": "strategy:\n  name: fsdp\n  fsdp:\n    reshard_after_forward: true",
-    "pipeline": "strategy:\n  name: pipeline\n  pipeline:\n    schedule: 1f1b",
-}
+# The rows, their order (least communication first) and their config lines are the strategies'
+# own (Strategy.plan_rows); accounting.variants() reads them from the registry.
 # What deferred construction changes in the training script.
 DEFERRED_LINES = (
     "with session.init_module():\n"
@@ -100,7 +88,8 @@ def make_plan(
     Each row assumes whole construction where that fits, else deferred construction where it
     lowers the peak (the larger of set-up and training)."""
     refused = {cls for cls, _ in left_out(precision, sequential)}
-    strategies = [s for s in ORDER if VARIANTS[s].strategy not in refused]
+    rows_of = variants()
+    strategies = [label for label, variant in rows_of.items() if variant.strategy not in refused]
     compute_bytes = 2 if precision in ("bf16", "fp16") else 4
     limit = None if device_memory is None else headroom * device_memory
     largest_unit = n_params / devices if units is None else float(units.largest)
@@ -121,7 +110,7 @@ def make_plan(
                 trainable=trainable,
                 compute_bytes=compute_bytes,
             )
-            cls = VARIANTS[strategy].strategy
+            cls = rows_of[strategy].strategy
             # A strategy that casts parameters itself holds no autocast copies of the weights.
             act = acts.at(micro_batch, autocast=not cls.handles_precision) if acts is not None else None
             if act is not None and cls.splits_layers:
@@ -158,7 +147,7 @@ def make_plan(
     choice = next((r for r in rows if r.fits), None)
     lines = script = None
     if choice is not None:
-        lines = CONFIG_LINES[choice.strategy]
+        lines = rows_of[choice.strategy].config_lines
         if choice.checkpointing:
             lines += f"\n  activation_checkpointing: [{', '.join(checkpoint_classes)}]"
         if choice.construction == "deferred":
@@ -170,8 +159,8 @@ def left_out(precision: str, sequential: bool = True) -> list[tuple[type[Strateg
     """The strategies of the plan's rows that refuse this precision or model, once each in row
     order, with why (what `phalanx plan` prints)."""
     out: list[tuple[type[Strategy], str]] = []
-    for name in ORDER:
-        cls = VARIANTS[name].strategy
+    for variant in variants().values():
+        cls = variant.strategy
         if any(cls is seen for seen, _ in out):
             continue
         if precision not in cls.precisions:

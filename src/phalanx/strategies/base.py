@@ -18,10 +18,11 @@ from torch import nn
 
 from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.schema import Config
-from phalanx.config.sections import BatchConfig, StrategyConfig
+from phalanx.config.sections import BatchConfig, Section, StrategyConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import squared_norm
 from phalanx.strategies.construction import Materializer, is_deferred
+from phalanx.strategies.plan_rows import PlanRow
 from phalanx.topology import Topology
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # precision.mode values, in the order messages list them
@@ -83,6 +84,18 @@ class Strategy:
     # the setting refused ("precision.mode", "compute.channels_last", ...). checks.py writes a
     # generic fix where a strategy gives none.
     advice: ClassVar[dict[str, str]] = {}
+
+    # -- what the strategy owns besides its code --------------------------------------------
+    # Its options section, ``strategy.<options_key>`` in the config (the registry adds it to the
+    # tree). A subclass inherits its parent's (zero1 reads strategy.ddp).
+    options_key: ClassVar[str | None] = None
+    options: ClassVar[type[Section] | None] = None
+    # Settings of that section that do something only under a capability: setting -> (the
+    # capability, what the setting does). checks.py refuses them, set, under a strategy without it.
+    options_apply: ClassVar[dict[str, tuple[str, str]]] = {}
+    # Its rows in `phalanx plan` (none: the plan leaves it out). A subclass that inherits rows
+    # declares its own (zero1 does): the registry refuses a row label twice.
+    plan_rows: ClassVar[tuple[PlanRow, ...]] = ()
 
     @classmethod
     def sharding(cls, settings: StrategyConfig) -> Sharding:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from phalanx.config.schema import Config
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import PRECISIONS, Strategy
-from phalanx.strategies.registry import names_with, strategy_class
+from phalanx.strategies.registry import STRATEGIES, names_with, options_key_of, strategy_class
 
 
 def check_combination(config: Config, world_size: int | None = None, device: str | None = None) -> None:
@@ -20,18 +20,15 @@ def check_combination(config: Config, world_size: int | None = None, device: str
     and the rules that need it are then left to the launcher and the Session."""
     named = config.strategy.name
     cls = strategy_class(named, world_size or 1)
-    hook = config.strategy.ddp.comm_hook
-    # auto is ddp wherever there is something to all-reduce; alone, the hook has nothing to do.
-    if hook != "none" and named != "auto" and not cls.ddp_buckets:
-        raise ConfigError(
-            f"strategy.ddp.comm_hook={hook} compresses DDP's gradient all-reduce, which strategy {cls.name} does "
-            f"not use; use strategy {_listed(names_with('ddp_buckets'), 'or')}, or set comm_hook none"
-        )
+    for owner in _section_owners():
+        _refuse_foreign_options(config, owner, cls)
     if config.compute.compile and not cls.supports_compile:
-        raise ConfigError(
-            f"compute.compile is not supported with strategy {cls.name} (phalanx compiles the wrapped model of "
-            f"{_listed(names_with('supports_compile'), 'and')} only); use one of those, or set compute.compile: false"
+        head = f"compute.compile is not supported with strategy {cls.name}"
+        fix = (
+            f"(phalanx compiles the wrapped model of {_listed(names_with('supports_compile'), 'and')} only); "
+            "use one of those, or set compute.compile: false"
         )
+        raise ConfigError(_refusal(head, cls, "compute.compile", fix, joined=" "))
     if config.compute.channels_last and not cls.supports_channels_last:
         head = f"compute.channels_last is not supported with strategy {cls.name}"
         raise ConfigError(_refusal(head, cls, "compute.channels_last", "set compute.channels_last: false"))
@@ -45,9 +42,37 @@ def check_combination(config: Config, world_size: int | None = None, device: str
     cls.check_settings(config, world_size, device)
 
 
-def _refusal(head: str, cls: type[Strategy], setting: str, fix: str) -> str:
+def _refusal(head: str, cls: type[Strategy], setting: str, fix: str, joined: str = "; ") -> str:
+    """``head`` and the strategy's own advice for ``setting``, else ``fix`` after ``joined``."""
     advice = cls.advice.get(setting)
-    return f"{head} {advice}" if advice else f"{head}; {fix}"
+    return f"{head} {advice}" if advice else f"{head}{joined}{fix}"
+
+
+def _section_owners() -> list[type[Strategy]]:
+    """One strategy per options section: the first registered that declares it."""
+    owners: dict[str, type[Strategy]] = {}
+    for cls in STRATEGIES.values():
+        if cls.options is not None:
+            owners.setdefault(options_key_of(cls), cls)
+    return list(owners.values())
+
+
+def _refuse_foreign_options(config: Config, owner: type[Strategy], cls: type[Strategy]) -> None:
+    """Refuse a setting of ``owner``'s section that does nothing under strategy ``cls``
+    (strategy.ddp.comm_hook under fsdp); its ``options_apply`` says which and why."""
+    key = options_key_of(owner)
+    section = getattr(config.strategy, key)
+    # auto resolves to a strategy with the capability wherever the setting has something to do
+    # (ddp for several processes); alone, there is nothing to compress.
+    if config.strategy.name == "auto":
+        return
+    for setting, (capability, what) in owner.options_apply.items():
+        value, default = getattr(section, setting), type(section).model_fields[setting].get_default()
+        if value != default and not getattr(cls, capability):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            head = f"strategy.{key}.{setting}={shown} {what}, which strategy {cls.name} does not use"
+            fix = f"use strategy {_listed(names_with(capability), 'or')}, or set {setting} {default}"
+            raise ConfigError(_refusal(head, cls, f"strategy.{key}.{setting}", fix))
 
 
 def _listed(names: list[str], conjunction: str) -> str:

@@ -4,22 +4,105 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import ClassVar, Literal, Optional, Union
 
 import torch
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from phalanx.config.sections import Section
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import LocalNorms
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.plan_rows import PlanRow
 from phalanx.strategies.unused import UnusedParameters
 from phalanx.util.words import plural
 
 _DDP_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
+ONE_TIB_IN_MIB = 1024.0 * 1024  # DDP turns bucket sizes into a byte count of C++'s int64
+
+
+class DDPConfig(Section):
+    bucket_cap_mb: float = Field(
+        25.0,
+        gt=0,
+        le=ONE_TIB_IN_MIB,
+        description="gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces",
+    )
+    first_bucket_cap_mb: Optional[float] = Field(
+        None,
+        gt=0,
+        le=ONE_TIB_IN_MIB,
+        description=(
+            "size in MiB of the first bucket, the gradients ready first in backward, so communication starts sooner "
+            "(null: every bucket is bucket_cap_mb)"
+        ),
+    )
+    gradient_as_bucket_view: bool = Field(
+        True, description="gradients alias the communication buckets (saves one copy of the gradients)"
+    )
+    static_graph: bool = Field(
+        False, description="the set of used parameters never changes between steps (enables DDP's graph optimisations)"
+    )
+    find_unused_parameters: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description=(
+            "auto: find in the first step whether some parameter gets no gradient, then run at full speed (none) "
+            "or keep searching every step (some: named once) | "
+            "true: search every step (costs a graph traversal per step) | false: never"
+        ),
+    )
+    broadcast_buffers: bool = Field(
+        True, description="copy buffers (e.g. BatchNorm statistics) from rank 0 at every forward"
+    )
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none",
+        description=(
+            "gradient compression for the all-reduce: "
+            "none | fp16 | bf16 (NCCL only) | powersgd (low-rank, with error feedback)"
+        ),
+    )
+    powersgd_rank: int = Field(
+        1, gt=0, description="powersgd: rank of the low-rank approximation (higher: more accurate, more traffic)"
+    )
+    powersgd_start_step: int = Field(
+        10, ge=2, description="powersgd: optimizer steps of uncompressed all-reduce before compression starts"
+    )
+    powersgd_warm_start: bool = Field(
+        True, description="powersgd: reuse the last step's low-rank factors (cheaper, usually as accurate)"
+    )
+
+    @field_validator("find_unused_parameters", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value):
+        if isinstance(value, bool) or value == "auto":
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError("find_unused_parameters must be auto, true or false")
+
+    @model_validator(mode="after")
+    def _first_bucket_fits(self):
+        first, cap = self.first_bucket_cap_mb, self.bucket_cap_mb
+        if first is not None and first > cap:
+            raise ValueError(
+                f"strategy.ddp.first_bucket_cap_mb ({first:g}) is larger than bucket_cap_mb ({cap:g}); "
+                "the first bucket is meant to be small, so its all-reduce starts early: lower it or set it to null"
+            )
+        return self
 
 
 class DDP(Strategy):
     name = "ddp"
+    options_key = "ddp"
+    options = DDPConfig
+    # The comm hook is a setting of DDP's all-reduce; under another strategy it would do nothing.
+    options_apply: ClassVar[dict[str, tuple[str, str]]] = {
+        "comm_hook": ("ddp_buckets", "compresses DDP's gradient all-reduce")
+    }
+    # An all-reduce moves about twice the gradients (reduce-scatter, then all-gather).
+    plan_rows = (PlanRow("ddp", traffic=2),)
     needs_process_group = True
     ddp_buckets = True
     local_forward = True  # the bare module under the DDP wrapper

@@ -4,18 +4,20 @@ over processes; parameters are all-gathered per shard unit for forward and backw
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 
 from phalanx._torch_compat import fsdp_measuring_reduce_scatter
-from phalanx.config.sections import FSDPConfig
+from phalanx.config.sections import Section
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import LocalNorms
 from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.construction import is_deferred
+from phalanx.strategies.plan_rows import PlanRow
 from phalanx.util.modules import post_order, submodules_of
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
@@ -23,14 +25,55 @@ from phalanx.util.words import plural
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+class FSDPConfig(Section):
+    reshard_after_forward: bool = Field(
+        True,
+        description=(
+            "free gathered parameters after forward (ZeRO-3-like); "
+            "false keeps them until backward (ZeRO-2-like: more memory, less communication)"
+        ),
+    )
+    wrap: list[str] = Field(
+        default_factory=list,
+        description=(
+            "module class names that each become a shard unit, e.g. [TransformerBlock] (empty: automatic by size)"
+        ),
+    )
+    min_params: int = Field(
+        100_000,
+        gt=0,
+        description=(
+            "automatic wrapping: a submodule with at least this many parameters of its own becomes a shard unit"
+        ),
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of gradient reduction under bf16 precision"
+    )
+    cpu_offload: bool = Field(
+        False,
+        description=(
+            "keep sharded parameters, gradients and optimizer state in CPU memory "
+            "(slow; for models that do not fit otherwise)"
+        ),
+    )
+
+
 class FSDP(Strategy):
     name = "fsdp"
+    options_key = "fsdp"
+    options = FSDPConfig
     needs_process_group = True
     handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
     checkpoint_layout = "dcp"
     precisions = frozenset({"fp32", "bf16"})
     supports_channels_last = False
     shards = Sharding(parameters=True, gradients=True, optimizer=True)
+    # Without resharding, gradients are reduce-scattered and parameters all-gathered once (2);
+    # resharding all-gathers them again for backward (3).
+    plan_rows = (
+        PlanRow("fsdp-zero2", traffic=2, options={"reshard_after_forward": False}),
+        PlanRow("fsdp-zero3", traffic=3, options={"reshard_after_forward": True}),
+    )
     local_micro_step_gradients = False  # they accumulate unsharded inside FSDP until the reduce-scatter
     advice: ClassVar[dict[str, str]] = {
         "precision.mode": "(its loss scaling would need a sharded inf check); use bf16",

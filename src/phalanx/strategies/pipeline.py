@@ -10,17 +10,19 @@ same as for every other strategy.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 
-from phalanx.config.schema import PipelineConfig
+from phalanx.config.sections import Section
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.pipeline_output import DeferredOutput
 from phalanx.strategies.placement import assign, placement_units, refuse_shared_across
+from phalanx.strategies.plan_rows import LAST, PlanRow
 from phalanx.strategies.surface import ModelSurface
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
@@ -28,6 +30,24 @@ from phalanx.util.words import plural
 # strategy.pipeline.microbatches: null gives one pipeline micro-batch per stage, and never fewer
 # than this: fewer would leave the stages idle for most of each step (the bubble).
 MIN_DEFAULT_MICROBATCHES = 4
+
+
+class PipelineConfig(Section):
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b", description="gpipe: all forwards, then all backwards; 1f1b: interleaved, fewer activations held"
+    )
+    microbatches: Optional[int] = Field(
+        None,
+        gt=0,
+        description=(
+            "pipeline micro-batches each micro-batch is cut into (must divide batch.micro_batch_size; "
+            "null: one per stage, at least 4)"
+        ),
+    )
+    split_points: list[str] = Field(
+        default_factory=list,
+        description="child names where a new stage begins, e.g. ['4', '8'] (empty: balanced by parameter count)",
+    )
 
 
 def pipeline_microbatches(settings: PipelineConfig, stages: int) -> int:
@@ -40,12 +60,17 @@ def pipeline_microbatches(settings: PipelineConfig, stages: int) -> int:
 
 class Pipeline(Strategy):
     name = "pipeline"
+    options_key = "pipeline"
+    options = PipelineConfig
     needs_process_group = True
     checkpoint_layout = "dcp"
     precisions = frozenset({"fp32"})
     supports_compile = False
     # A stage holds about 1/N of the layers (assuming balanced stages): all three are divided.
     shards = Sharding(parameters=True, gradients=True, optimizer=True)
+    # It sends only activations between stages, but its stages idle in the pipeline bubble,
+    # (N-1)/(M+N-1) of each step with M pipeline micro-batches: the plan lists it last.
+    plan_rows = (PlanRow("pipeline", traffic=LAST, options={"schedule": "1f1b"}),)
     needs_sequential = True
     splits_layers = True
     local_micro_step_gradients = False  # each rank holds one stage's

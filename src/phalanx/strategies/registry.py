@@ -1,7 +1,9 @@
-"""The strategies by name: ``strategy.name`` picks one; each lives in its own module."""
+"""The strategies by name: ``strategy.name`` picks one; each lives in its own module and is added
+here with :func:`register`, which also adds its options section to the config tree."""
 
 from __future__ import annotations
 
+from phalanx.config.schema import describe_strategy_names, register_strategy_options, unregister_strategy_options
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDP
@@ -12,8 +14,42 @@ from phalanx.strategies.pipeline import Pipeline
 from phalanx.strategies.single import SingleDevice
 from phalanx.strategies.zero1 import Zero1
 
-_CLASSES = (SingleDevice, DataParallel, DDP, Zero1, FSDP, ModelParallel, Pipeline)
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in _CLASSES}
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Make ``cls`` a value of ``strategy.name``, its options ``strategy.<cls.options_key>``, and
+    its plan rows rows of ``phalanx plan``. Returns ``cls``, so it works as a class decorator."""
+    if cls.name in ("auto", *STRATEGIES):
+        raise ValueError(f"a strategy named '{cls.name}' is already registered")
+    labels = {row.label for other in STRATEGIES.values() for row in other.plan_rows}
+    clash = sorted(labels & {row.label for row in cls.plan_rows})
+    if clash:
+        raise ValueError(f"strategy '{cls.name}' declares plan rows that others have: {', '.join(clash)}")
+    if cls.options is not None:
+        register_strategy_options(options_key_of(cls), cls.options)
+    STRATEGIES[cls.name] = cls
+    _describe()
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Undo :func:`register`; its options section goes too unless another strategy reads it."""
+    cls = STRATEGIES.pop(name)
+    key = options_key_of(cls)
+    if cls.options is not None and not any(options_key_of(other) == key for other in STRATEGIES.values()):
+        unregister_strategy_options(key)
+    _describe()
+
+
+def options_key_of(cls: type[Strategy]) -> str:
+    """The key of ``cls``'s options section under ``strategy.``: its own, else its name."""
+    return cls.options_key or cls.name
+
+
+def _describe() -> None:
+    names = " | ".join(["auto", *STRATEGIES])
+    describe_strategy_names(f"{names} (auto: {DDP.name} with several processes, else {SingleDevice.name})")
 
 
 def resolve_name(name: str, world_size: int) -> str:
@@ -36,3 +72,11 @@ def strategy_class(name: str, world_size: int = 1) -> type[Strategy]:
 def names_with(capability: str) -> list[str]:
     """The strategies whose class attribute ``capability`` is true, in registry order."""
     return [name for name, cls in STRATEGIES.items() if getattr(cls, capability)]
+
+
+def _register_builtins() -> None:
+    for cls in (SingleDevice, DataParallel, DDP, Zero1, FSDP, ModelParallel, Pipeline):
+        register(cls)
+
+
+_register_builtins()

@@ -7,6 +7,7 @@ import torch
 
 from phalanx.strategies.base import Sharding
 from phalanx.strategies.ddp import DDP
+from phalanx.strategies.plan_rows import PlanRow
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
 
@@ -14,6 +15,8 @@ from phalanx.util.words import plural
 class Zero1(DDP):
     name = "zero1"
     shards = Sharding(optimizer=True)
+    # DDP's all-reduce (2), then ZeroRedundancyOptimizer broadcasts the updated parameters (1).
+    plan_rows = (PlanRow("zero1", traffic=3),)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         # Imported here: torch.distributed.optim costs most of a second at `import phalanx`.
