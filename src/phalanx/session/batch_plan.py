@@ -67,13 +67,13 @@ class BatchOwner:
         # Refuse an impossible batch when the Session is built rather than at setup(), which may refine it.
         self._plan = config_plan(config, type(strategy), self._world_size)
         self._layout.check(self._plan, None, self._sizes)
-        self._lr_scaling: LRScaling | None = None  # set by the first plan at setup
-        self.noise = NoiseProbe(config, strategy, topology, models)  # the Session feeds it gradients
+        self._lr_scaling: LRScaling | None = None  # at setup: the reference may be a loader's batch_size
+        self._noise = NoiseProbe(config, strategy, topology, models)  # the Session feeds it gradients
         check_adaptive(config)
-        self.adaptive = AdaptiveBatch(config, topology) if config.batch.adaptive else None
-        if self.adaptive is not None:
-            self.adaptive.on_change = self._adapted
-        state.noise, state.adaptive = self.noise, self.adaptive
+        self._adaptive = AdaptiveBatch(config, topology) if config.batch.adaptive else None
+        if self._adaptive is not None:
+            self._adaptive.on_change = self._adapted
+        state.noise, state.adaptive = self._noise, self._adaptive
         self._said_no_noise_scale: str | None = None
 
     # -- what the others ask ----------------------------------------------------------------------
@@ -84,6 +84,14 @@ class BatchOwner:
     @property
     def lr_scaling(self) -> LRScaling | None:
         return self._lr_scaling
+
+    @property
+    def noise(self) -> NoiseProbe:
+        return self._noise
+
+    @property
+    def adaptive(self) -> AdaptiveBatch | None:
+        return self._adaptive
 
     @property
     def fixed_layout(self) -> bool:
@@ -100,27 +108,27 @@ class BatchOwner:
     @property
     def joins_forwards(self) -> bool:
         """Whether a training loader's forwards may join micro-batches (batch.adaptive)."""
-        return self.adaptive is not None
+        return self._adaptive is not None
 
     @property
     def schedule_steps(self) -> int:
         """Scheduler steps per optimizer step: under batch.adaptive a step of k times the starting
         batch is k of its steps, so a schedule keeps its meaning in samples seen."""
-        return self.adaptive.k if self.adaptive is not None else 1
+        return self._adaptive.k if self._adaptive is not None else 1
 
     def lr_multiplier(self, step: int) -> float:
         return self._lr_scaling.multiplier(step) if self._lr_scaling else 1.0
 
     def step_multiplier(self, step: int) -> float:
         """What optimizer step ``step`` multiplies the lr by: the scaling rule's, times batch.adaptive's gain."""
-        return self.lr_multiplier(step) * (self.adaptive.gain if self.adaptive is not None else 1.0)
+        return self.lr_multiplier(step) * (self._adaptive.gain if self._adaptive is not None else 1.0)
 
     def micro_batches_per_forward(self) -> int:
         """batch.adaptive: the loader's micro-batches the next forward joins; never past the end of
         the optimizer step's window, so every step sums exactly its accumulation steps' samples."""
-        if self._state.micro == 0 and self.noise.wants_one_micro_batch_first(self._state.step):
+        if self._state.micro == 0 and self._noise.wants_one_micro_batch_first(self._state.step):
             return 1
-        return min(self.adaptive.merge, self.accumulation_steps - self._state.micro)
+        return min(self._adaptive.merge, self.accumulation_steps - self._state.micro)
 
     def describe(self) -> list[str]:
         """The set-up line's words for the plan (none before there is one)."""
@@ -150,9 +158,9 @@ class BatchOwner:
                     "optim.lr_scaling needs optim.reference_batch_size (the batch size your lr was tuned for)"
                 )
             reference = plan.global_batch_size
-        if self.adaptive is not None:
-            self._plan = self.adaptive.plan(plan)  # a resumed run's own multiple
-        self.noise.plan(self._plan)
+        if self._adaptive is not None:
+            self._plan = self._adaptive.plan(plan)  # a resumed run's own multiple
+        self._noise.plan(self._plan)
         self._say_why_no_noise_scale()
         self._lr_scaling = LRScaling(
             cfg.optim.lr_scaling,
@@ -172,24 +180,24 @@ class BatchOwner:
         """A model was wrapped after the batch was planned: wrapping may have changed where the
         noise scale can be measured (fsdp finds its reduce-scatter there)."""
         if self._plan is not None and self._lr_scaling is not None:
-            self.noise.plan(self._plan)
+            self._noise.plan(self._plan)
             self._say_why_no_noise_scale()
 
     def after_step(
         self, times: tuple[float, float] | None, estimated: bool, optimizers: list[torch.optim.Optimizer]
     ) -> None:
         """An optimizer step was taken in ``times`` (step, synchronising part): batch.adaptive may re-choose."""
-        if self.adaptive is None or times is None:
+        if self._adaptive is None or times is None:
             return
-        self.adaptive.note(*times, estimated)
-        if self.adaptive.decide(self._state.step, self.noise.value, is_adam(optimizers)):
+        self._adaptive.note(*times, estimated)
+        if self._adaptive.decide(self._state.step, self._noise.value, is_adam(optimizers)):
             self._adapted()
 
     def _adapted(self) -> None:
         """batch.adaptive chose another multiple of the starting batch (or a resume restored one)."""
-        self._plan = self.adaptive.current()
-        self.noise.resize(self._plan)
-        joined = self.adaptive.merge
+        self._plan = self._adaptive.current()
+        self._noise.resize(self._plan)
+        joined = self._adaptive.merge
         forwards = f", forwards of {joined} micro-batches at once" if joined > 1 else ""
         self._say(f"phalanx: batch.adaptive: {self._plan.describe()}{forwards} from step {self._state.step}")
 
@@ -198,10 +206,10 @@ class BatchOwner:
         return type(self._strategy).plan_batch(self._config, self._world_size, global_batch_size, batch)
 
     def _say_why_no_noise_scale(self) -> None:
-        why = self.noise.why_not
+        why = self._noise.why_not
         if why is None:
             return
-        if self.adaptive is not None:
+        if self._adaptive is not None:
             raise ConfigError(f"batch.adaptive needs the gradient noise scale, which this run cannot measure: {why}")
         asked = self._config.sources.get("train.noise_scale", "default") != "default"
         if asked and why != self._said_no_noise_scale:  # once per reason, not at every setup_loader
