@@ -142,10 +142,11 @@ class Strategy:
     def check_world(cls, world_size: int) -> None:
         """Refuse a process count this strategy cannot use, before anything starts."""
         if cls.processes_per_node is not None and world_size != cls.processes_per_node:
+            other = cls.advice.get("launch.nproc")  # the strategy's own way out, e.g. another strategy
             raise ConfigError(
                 f"strategy '{cls.name}' runs in {cls.processes_per_node} process, not {world_size}; "
                 f"launch with --set strategy.name={cls.name} (so the launcher starts one process) "
-                f"or --nproc {cls.processes_per_node}, or use strategy ddp"
+                f"or --nproc {cls.processes_per_node}" + (f", {other}" if other else "")
             )
 
     @classmethod

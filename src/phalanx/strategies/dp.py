@@ -3,6 +3,8 @@ DDP is faster (no GIL contention, no per-step model replication, no scatter/gath
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ class DataParallel(Strategy):
     name = "dp"
     processes_per_node = 1
     supports_compile = False
+    advice: ClassVar[dict[str, str]] = {"launch.nproc": "or use strategy ddp"}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.topology.is_main:

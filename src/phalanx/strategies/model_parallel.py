@@ -8,6 +8,8 @@ balanced by parameter count; the model's own parameters go with the first unit.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ class ModelParallel(Strategy):
     name = "model_parallel"
     processes_per_node = 1
     supports_compile = False
+    advice: ClassVar[dict[str, str]] = {"launch.nproc": "or use strategy ddp"}
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
