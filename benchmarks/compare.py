@@ -274,6 +274,7 @@ def throughput(args: argparse.Namespace, scratch: Path) -> dict:
 def phalanx_lr(contender, cwd: Path, files: dict | None = None) -> tuple[object | None, str | None]:
     """The optim section phalanx resolves for ``contender``, so the raw loop can apply the same
     learning-rate rule by hand; (None, why) when the config does not validate."""
+    import phalanx.strategies  # noqa: F401 - they add strategy.ddp, ... to the config (a tuned file sets them)
     from phalanx.config.loader import load_config
 
     try:
