@@ -3,7 +3,8 @@ calls :func:`check_combination` in ``prepare()``, before any process starts, and
 calls it through ``create_strategy``, so a script run without the launcher refuses the same.
 
 The rules read the strategies' capabilities (class attributes, see base.py), never their names;
-a strategy's rules about its own section (``strategy.pipeline.*``, ...) are its ``check_settings``.
+a strategy's rules about its own section (``strategy.pipeline.*``, ...) are its ``check_settings``,
+and those about its section's settings under another strategy its ``options_apply``.
 Each refusal is one line (a ConfigError) naming the setting and the fix."""
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ def _section_owners() -> list[type[Strategy]]:
 def _refuse_foreign_options(config: Config, owner: type[Strategy], cls: type[Strategy]) -> None:
     """Refuse a setting of ``owner``'s section that does nothing under strategy ``cls``
     (strategy.ddp.comm_hook under fsdp); its ``options_apply`` says which and why."""
-    key = options_key_of(owner)
-    section = getattr(config.strategy, key)
     # auto resolves to a strategy with the capability wherever the setting has something to do
     # (ddp for several processes); alone, there is nothing to compress.
     if config.strategy.name == "auto":
         return
+    key = options_key_of(owner)
+    section = getattr(config.strategy, key)
     for setting, (capability, what) in owner.options_apply.items():
         value, default = getattr(section, setting), type(section).model_fields[setting].get_default()
         if value != default and not getattr(cls, capability):
