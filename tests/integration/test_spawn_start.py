@@ -1,6 +1,6 @@
 """phalanx.spawn forks its processes from a forkserver that has imported torch once: each process
-still sees the caller's environment and working directory as they are at the call, and a killed
-caller still takes every process along (the server exits with it, and they are re-parented)."""
+still sees the caller's environment, working directory, stdout and stderr as they are at the call,
+and a killed caller still takes every process along."""
 
 from __future__ import annotations
 
@@ -35,6 +35,24 @@ def test_each_process_sees_the_caller_s_environment_and_directory_at_the_call(tm
     assert ranks == [
         ("set after the server started", str(tmp_path), 0),
         ("set after the server started", str(tmp_path), 1),
+    ]
+
+
+def say_hello() -> None:
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    print(f"warning from rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+
+
+@pytest.mark.timeout(120)
+def test_what_the_ranks_print_goes_where_the_caller_s_output_goes_now(capfd):
+    # The server was started before this test's capture began (by the test above), with other
+    # descriptors: the ranks still write to the caller's.
+    phalanx.spawn(say_hello, nprocs=2, cpu=True, timeout=60)
+    printed = capfd.readouterr()
+    assert sorted(printed.out.splitlines()) == ["hello from rank 0", "hello from rank 1"]
+    assert sorted(line for line in printed.err.splitlines() if "from rank" in line) == [
+        "warning from rank 0",
+        "warning from rank 1",
     ]
 
 

@@ -11,6 +11,7 @@ does not, so a notebook or a test suite that spawns often pays it once.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.reduction
 import os
 import socket
 import tempfile
@@ -81,7 +82,7 @@ def spawn(
     with tempfile.TemporaryDirectory(prefix="phalanx-spawn-") as tmp:
         context = mp.start_processes(
             _entry,
-            args=(fn, tuple(args), nprocs, port, tmp, launch, os.getpid(), dict(os.environ)),
+            args=(fn, tuple(args), nprocs, port, tmp, launch, os.getpid(), dict(os.environ), _streams(method)),
             nprocs=nprocs,
             join=False,
             start_method=method,
@@ -109,12 +110,15 @@ def _entry(
     launch: LaunchContext,
     parent: int,
     environ: dict[str, str],
+    streams: _Streams | None,
 ) -> None:
     watch(parent, f"phalanx.spawn rank {local_rank}")  # a killed notebook kernel takes its ranks along
     # A forkserver's child inherits the server's environment, from when it started: the caller's
     # is the one that counts, as it would with spawn.
     os.environ.clear()
     os.environ.update(environ)
+    if streams is not None:
+        streams.attach()
     os.environ.update(
         {
             "RANK": str(local_rank),
@@ -137,6 +141,39 @@ def _entry(
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Streams:
+    """The caller's stdout and stderr for a forkserver's child, which has the server's: what the
+    ranks print goes where the caller's own output goes now (a notebook cell's, a test's capture),
+    as with spawn. The descriptors travel with the process object (SCM_RIGHTS), so they can only
+    be taken while it is pickled: :meth:`__reduce__` does it."""
+
+    def __init__(self, fds: tuple[int, ...] = (), inherited: tuple[int, ...] = ()):
+        self.fds, self.inherited = fds, inherited
+
+    def __reduce__(self):
+        return (_Streams._received, (self.fds, tuple(multiprocessing.reduction.DupFd(fd) for fd in self.fds)))
+
+    @staticmethod
+    def _received(fds: tuple[int, ...], handles: tuple) -> _Streams:
+        return _Streams(fds, tuple(handle.detach() for handle in handles))
+
+    def attach(self) -> None:
+        for fd, inherited in zip(self.fds, self.inherited):
+            os.dup2(inherited, fd)
+            os.close(inherited)
+
+
+def _streams(method: str) -> _Streams | None:
+    if method != "forkserver":
+        return None  # spawn and fork children inherit the caller's descriptors already
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            return None  # a caller without them (a daemon): the server's are all there is
+    return _Streams((1, 2))
 
 
 def _free_port() -> int:
