@@ -153,16 +153,16 @@ class _Streams:
         self.fds, self.inherited = fds, inherited
 
     def __reduce__(self):
-        return (_Streams._received, (self.fds, tuple(multiprocessing.reduction.DupFd(fd) for fd in self.fds)))
-
-    @staticmethod
-    def _received(fds: tuple[int, ...], handles: tuple) -> _Streams:
-        return _Streams(fds, tuple(handle.detach() for handle in handles))
+        return (_received_streams, (self.fds, tuple(multiprocessing.reduction.DupFd(fd) for fd in self.fds)))
 
     def attach(self) -> None:
         for fd, inherited in zip(self.fds, self.inherited):
             os.dup2(inherited, fd)
             os.close(inherited)
+
+
+def _received_streams(fds: tuple[int, ...], handles: tuple) -> _Streams:
+    return _Streams(fds, tuple(handle.detach() for handle in handles))
 
 
 def _streams(method: str) -> _Streams | None:
