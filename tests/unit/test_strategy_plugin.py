@@ -162,6 +162,12 @@ def test_phalanx_config_brings_the_strategies_sections():
         "    assert 'import phalanx.strategies' in str(err), err\n"
         "else:\n"
         "    raise SystemExit('accepted strategy.ddp without the strategies')\n"
+        "try:\n"
+        "    Config()\n"  # a tree without strategy.ddp would fail far from here, in the Session
+        "except ValueError as err:\n"
+        "    assert 'import phalanx.strategies' in str(err), err\n"
+        "else:\n"
+        "    raise SystemExit('built a Config without the strategies sections')\n"
         "import phalanx\n"
         "assert phalanx.Config(strategy={'ddp': {'bucket_cap_mb': 5}}).strategy.ddp.bucket_cap_mb == 5\n"
     )

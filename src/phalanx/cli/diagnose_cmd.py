@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import phalanx.strategies  # noqa: F401 - they add their own sections (strategy.ddp, ...) to the config
 from phalanx.cli import options
 from phalanx.cli.console import console
 from phalanx.config.loader import load_config

@@ -54,15 +54,20 @@ class StrategyConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _strategies_registered(cls, data):
-        # Only the two fields above: no strategy has registered (phalanx.strategies not imported),
-        # so strategy.ddp would be refused as unknown, which it is not.
-        if isinstance(data, dict) and len(cls.model_fields) == 2 and set(data) - set(cls.model_fields):
+        # With only the fields above no strategy has registered (phalanx.strategies not imported):
+        # such a tree would lack strategy.ddp and the rest, and fail far from here, so none is built.
+        if set(cls.model_fields) == _EVERY_STRATEGY:
+            named = sorted(set(data) - _EVERY_STRATEGY) if isinstance(data, dict) else []
+            what = f"strategy.{named[0]} is a strategy's own section, and the" if named else "The"
             raise ValueError(
-                f"strategy.{sorted(set(data) - set(cls.model_fields))[0]} is a strategy's own section, and the "
-                "strategies add theirs when phalanx.strategies is imported (phalanx.Config and phalanx.Session "
-                "import it); import phalanx.strategies before building a Config from phalanx.config"
+                f"{what} strategies add their sections when phalanx.strategies is imported (phalanx.Config "
+                "and phalanx.Session import it); import phalanx.strategies before building a Config from phalanx.config"
             )
         return data
+
+
+# The fields of StrategyConfig that are no strategy's own.
+_EVERY_STRATEGY = frozenset(StrategyConfig.model_fields)
 
 
 class BatchConfig(Section):
