@@ -1,18 +1,18 @@
 """Checkpoints from other processes: `phalanx checkpoint info` and `export` as subprocesses, and a
-saver killed with SIGKILL in the middle of its saves."""
+saver process killed with SIGKILL in the middle of its saves."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 import torch
+from torch import nn
 
+import phalanx
 from phalanx.checkpoint.export import export, open_checkpoint
 from tests.helpers.checkpoints import saved_checkpoint
 from tests.helpers.cli import run_phalanx
@@ -33,49 +33,44 @@ def test_cli_info_export_and_errors(tmp_path):
     assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr
 
 
-_SAVER = textwrap.dedent(
-    """
-    import sys
-    import torch
-    from torch import nn
-    import phalanx
-
-    checkpoint = {"dir": sys.argv[1], "resume": "never", "keep_last": 2}
+def _saver(directory: str, ready) -> None:
+    """Saves, trains a step and saves again, forever: a process to kill in the middle of a save."""
+    checkpoint = {"dir": directory, "resume": "never", "keep_last": 2}
     session = phalanx.Session(train={"progress": False}, checkpoint=checkpoint)
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # ~2 MB of weights, 4 MB of Adam state
     optimizer = torch.optim.Adam(model.parameters())
     model, optimizer = session.setup(model, optimizer)
     session.save()
-    print("ready", flush=True)
+    ready.set()
     while True:  # every step changes the weights, then a save
         with session.accumulate(model):
             session.backward(model(torch.randn(4, 512)).square().mean())
         session.save()
-    """
-)
 
 
 @pytest.mark.timeout(240)
 def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
-    script = tmp_path / "saver.py"
-    script.write_text(_SAVER)
+    # Each saver is forked from a server that has imported torch (as phalanx.spawn's ranks are):
+    # twenty fresh interpreters cost twenty imports of torch, and the kill is the same SIGKILL.
+    multiprocessing.set_forkserver_preload(["torch", "phalanx.session"])
+    context = multiprocessing.get_context("forkserver")
     ckpt = tmp_path / "ckpt"
     delays = torch.Generator().manual_seed(7)
     interrupted = 0
     for trial in range(20):
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(ckpt)], stdout=subprocess.PIPE, text=True, start_new_session=True
-        )
+        ready = context.Event()
+        proc = context.Process(target=_saver, args=(str(ckpt), ready), daemon=True)
+        proc.start()
         try:
-            while proc.stdout.readline().strip() != "ready":
-                assert proc.poll() is None, "the saver died before its first checkpoint"
+            while not ready.wait(timeout=0.5):
+                assert proc.is_alive(), "the saver died before its first checkpoint"
             time.sleep(float(torch.rand(1, generator=delays)) * 0.4)
             if any(p.name.startswith(".incomplete-") for p in ckpt.iterdir()):
                 interrupted += 1
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.kill(proc.pid, signal.SIGKILL)
         finally:
             proc.kill()
-            proc.wait(timeout=30)
+            proc.join(timeout=30)
         manifest = open_checkpoint(ckpt)  # verifies every file's size and SHA-256
         state = export(ckpt, tmp_path / "w.pt")[1]
         assert set(state) == {"0.weight", "0.bias", "1.weight", "1.bias"}, (trial, manifest["path"])
