@@ -5,6 +5,7 @@ progress bar and the run summary."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import phalanx
 from phalanx.config.loader import load_config
 from phalanx.config.schema import DataConfig
 from phalanx.errors import ConfigError
+from phalanx.faults.lifeline import descendants
 from phalanx.metrics.summary_display import DATA_WAIT_HINT, data_wait_hint, report_run
 from phalanx.runtime.data import MAX_AUTO_WORKERS, auto_workers, shard_loader
 from phalanx.runtime.progress import Throughput, _status, track
@@ -272,6 +274,20 @@ def test_worker_settings_do_not_change_training(tmp_path):
     reference = run(tmp_path, "plain")
     assert_same(run(tmp_path, "persistent", workers=2), reference)
     assert_same(run(tmp_path, "respawned", workers=1, persistent=False, fetch_ahead=True), reference)
+
+
+def test_close_ends_the_persistent_workers_of_a_loop_left_early(tmp_path):
+    # Left to garbage collection, two workers' shutdown stalled whatever ran next by 10 s.
+    before = set(descendants(os.getpid()))
+    assert run(tmp_path, "left", stop_at=3, workers=2, persistent=True) == {}
+    assert [pid for pid in set(descendants(os.getpid())) - before if _running(pid)] == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def assert_same(got: dict, want: dict) -> None:

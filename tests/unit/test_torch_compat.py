@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import RandomSampler
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from phalanx import _torch_compat as compat
 from phalanx.errors import PhalanxError
+from phalanx.faults.lifeline import descendants
 
 
 class _Shared(nn.Module):
@@ -156,3 +159,21 @@ def test_make_subclass(monkeypatch, fallback):
         monkeypatch.setattr(torch.Tensor, "_make_subclass", None, raising=False)  # hides the inherited one
     out = compat.make_subclass(_Sub, torch.empty(0, device="meta"))
     assert type(out) is _Sub and out.device.type == "meta" and not out.requires_grad
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="counts worker processes in /proc")
+def test_persistent_workers_end_at_once_and_the_next_pass_starts_new_ones():
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=1, persistent_workers=True)
+    assert not compat.shutdown_persistent_workers(loader)  # no pass yet: nothing running
+    first = [batch for (batch,) in loader]
+    workers = descendants(os.getpid())
+    assert workers and compat.shutdown_persistent_workers(loader)
+    assert not [pid for pid in workers if _running(pid)]
+    assert torch.equal(torch.cat([batch for (batch,) in loader]), torch.cat(first))
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from phalanx._torch_compat import sampler_has_custom_num_samples
+from phalanx._torch_compat import sampler_has_custom_num_samples, shutdown_persistent_workers
 from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
 from phalanx.runtime.pinning import choose_pin, first_batch
@@ -200,6 +200,12 @@ class DeviceLoader:
             if epoch != self.sampler.epoch:
                 self._pass_start = self._served = 0  # a new epoch: nothing of it consumed yet
             self.sampler.set_epoch(epoch)
+
+    def close(self) -> None:
+        """End the loader's persistent workers (Session.close): left to garbage collection, their
+        shutdown can stall a later moment of the process by seconds (see _torch_compat)."""
+        if self.loader.persistent_workers:
+            shutdown_persistent_workers(self.loader)
 
     def __len__(self) -> int:
         if self.stream is not None:

@@ -652,6 +652,8 @@ class Session:
         """Leave the process group; ``sync`` waits for every rank first (see Strategy.teardown)."""
         if not self._closed:
             self._closed = True
+            for loader in self._loaders:
+                loader.close()
             self.metrics.close()
             self._recovery.close()
             self.strategy.teardown(sync=sync)
