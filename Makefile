@@ -12,13 +12,15 @@ setup: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/phalanx demo
 
-# Every tier: unit, integration (processes on gloo), gpu (skipped without CUDA).
+# Every tier: unit, integration (processes on gloo), gpu (skipped without CUDA): two test processes
+# at once, then the tests marked serial alone (scripts/test.sh). TEST_WORKERS=N changes the two;
+# PYTEST_ARGS reach both parts.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	PY=$(PY) bash scripts/test.sh $(PYTEST_ARGS)
 
-# The unit tier only: one process each, no launch and no spawn; under 2 minutes on 2 cores.
+# The unit tier only: one process each, no launch and no spawn; under a minute on 2 cores.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q tests/unit
+	PY=$(PY) bash scripts/test.sh tests/unit $(PYTEST_ARGS)
 
 # ruff (configured in pyproject.toml): lint rules, then the formatter in check mode.
 lint: $(VENV)/.installed

@@ -46,12 +46,18 @@ def no_leftover_processes():
     assert not left, f"processes left behind: {sorted(left)}"
 
 
+GPU_TIER = Path(__file__).parent / "gpu"
+
+
 def gpus_needed(mark: pytest.Mark) -> int:
     """``@pytest.mark.cuda`` asks for one GPU, ``@pytest.mark.cuda(gpus=N)`` for N."""
     return int(mark.kwargs.get("gpus", 1))
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # GPU tests share the machine's devices: never two at once
+        if GPU_TIER in item.path.parents:
+            item.add_marker(pytest.mark.serial)
     marked = [(item, item.get_closest_marker("cuda")) for item in items]
     marked = [(item, mark) for item, mark in marked if mark is not None]
     if not marked:
@@ -84,6 +90,17 @@ _ASSERTS_PASSED = pytest.StashKey[int]()
 
 def pytest_assertion_pass(item, lineno, orig, expl):
     item.config.stash[_ASSERTS_PASSED] = item.config.stash.get(_ASSERTS_PASSED, 0) + 1
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker reports to the controller
+        session.config.workeroutput["asserts_passed"] = session.config.stash.get(_ASSERTS_PASSED, 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    config = node.config
+    config.stash[_ASSERTS_PASSED] = config.stash.get(_ASSERTS_PASSED, 0) + node.workeroutput.get("asserts_passed", 0)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -187,6 +187,7 @@ def test_resume_with_another_process_count_keeps_batch_and_position(tmp_path, re
     assert all(a[k].shape == b[k].shape for k in a)
 
 
+@pytest.mark.serial  # a time limit
 def test_crashing_rank_stops_the_job_within_seconds(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(
@@ -211,6 +212,7 @@ def test_crashing_rank_stops_the_job_within_seconds(tmp_path):
     assert "rank 1 failed first (exit code 1): ValueError: boom on rank 1" in result.stderr
 
 
+@pytest.mark.serial  # a hang timeout and a time limit
 def test_hang_is_detected_and_every_rank_stack_printed(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(

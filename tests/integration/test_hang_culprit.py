@@ -10,7 +10,8 @@ import pytest
 
 from tests.helpers.cli import run_phalanx
 
-pytestmark = pytest.mark.multiprocess
+# serial: the verdicts depend on wall-clock timeouts, which a second test process would stretch.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
 
 @pytest.mark.timeout(150)

@@ -20,7 +20,8 @@ from phalanx.checkpoint import files
 from phalanx.checkpoint.lock import DirectoryLock
 from tests.helpers.processes import kill_tagged, new_tag, tagged, wait_gone
 
-pytestmark = pytest.mark.multiprocess
+# serial: the verdicts depend on wall-clock timeouts, which a second test process would stretch.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
 SCRIPT = textwrap.dedent(
     """

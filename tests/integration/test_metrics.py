@@ -17,6 +17,7 @@ SLOWED = tiny_training(320, before_step="time.sleep(0.05 if session.rank == 1 el
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial  # the slowed rank is told apart by time
 def test_launch_writes_records_and_names_the_slowed_rank(tmp_path):
     (tmp_path / "slowed.py").write_text(SLOWED)
     result = run_phalanx("launch", "--cpu", "--nproc", "2", "slowed.py", cwd=tmp_path, timeout=150)

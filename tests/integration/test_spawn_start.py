@@ -75,6 +75,7 @@ def sleep_forever(out: str) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.serial  # a time limit
 def test_a_killed_caller_takes_every_forked_process_along(tmp_path):
     script = tmp_path / "caller.py"
     script.write_text(CALLER)

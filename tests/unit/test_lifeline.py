@@ -15,6 +15,8 @@ import pytest
 
 from phalanx.faults.lifeline import ENV_LAUNCHER_PID, descendants, watch_launcher
 
+pytestmark = pytest.mark.serial  # the processes must be gone within seconds
+
 # middle -> worker (watches middle) -> grandchild (a plain sleep, like a data-loader process)
 MIDDLE = textwrap.dedent(
     """
