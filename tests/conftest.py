@@ -83,26 +83,35 @@ def gpus(request) -> int:
 
 
 # -- the assertion count ------------------------------------------------------------------------
-# `pytest -o enable_assertion_pass_hook=true` (after clearing tests' __pycache__, which holds the
-# rewritten modules) counts every assert that passed, so a faster suite can show it kept them all.
+# `pytest -o enable_assertion_pass_hook=true` counts every assert that passed, and the distinct
+# assert statements among them (by file and line), so a faster suite can show it kept them all.
 _ASSERTS_PASSED = pytest.StashKey[int]()
+_ASSERTS_SEEN = pytest.StashKey[set]()
 
 
 def pytest_assertion_pass(item, lineno, orig, expl):
-    item.config.stash[_ASSERTS_PASSED] = item.config.stash.get(_ASSERTS_PASSED, 0) + 1
+    config = item.config
+    config.stash[_ASSERTS_PASSED] = config.stash.get(_ASSERTS_PASSED, 0) + 1
+    # Rewritten asserts live in test modules, nearly always the item's own; orig (the assert's
+    # text) tells apart the rare one of another module that shares a line number.
+    config.stash.setdefault(_ASSERTS_SEEN, set()).add((item.nodeid.partition("::")[0], lineno, orig))
 
 
 def pytest_sessionfinish(session):
-    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker reports to the controller
-        session.config.workeroutput["asserts_passed"] = session.config.stash.get(_ASSERTS_PASSED, 0)
+    config = session.config
+    if hasattr(config, "workeroutput"):  # a pytest-xdist worker reports to the controller
+        config.workeroutput["asserts_passed"] = config.stash.get(_ASSERTS_PASSED, 0)
+        config.workeroutput["asserts_seen"] = sorted(config.stash.get(_ASSERTS_SEEN, set()))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    config = node.config
-    config.stash[_ASSERTS_PASSED] = config.stash.get(_ASSERTS_PASSED, 0) + node.workeroutput.get("asserts_passed", 0)
+    config, report = node.config, node.workeroutput
+    config.stash[_ASSERTS_PASSED] = config.stash.get(_ASSERTS_PASSED, 0) + report.get("asserts_passed", 0)
+    config.stash.setdefault(_ASSERTS_SEEN, set()).update(tuple(seen) for seen in report.get("asserts_seen", ()))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getini("enable_assertion_pass_hook"):
-        terminalreporter.write_line(f"{config.stash.get(_ASSERTS_PASSED, 0)} assertions passed")
+        passed, seen = config.stash.get(_ASSERTS_PASSED, 0), config.stash.get(_ASSERTS_SEEN, set())
+        terminalreporter.write_line(f"{passed} assertions passed, {len(seen)} distinct assert statements")
