@@ -9,6 +9,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Iterable
 
 TAG = "PHALANX_TEST_JOB"
 
@@ -34,14 +35,25 @@ def tagged(env: dict[str, str]) -> list[int]:
     return found
 
 
-def wait_gone(env: dict[str, str], within: float) -> tuple[float, list[int]]:
-    """Seconds until no tagged process is left (polled), and those still alive at ``within``."""
+def wait_gone(env: dict[str, str], within: float, known: Iterable[int] = ()) -> tuple[float, list[int]]:
+    """Seconds until no tagged process is left (polled), and those still alive at ``within``.
+    ``known``: pids seen tagged before they were killed. A dying process's environment turns
+    unreadable before it closes its files (and so releases its locks), so these count until its
+    /proc entry says it has exited."""
     started = time.monotonic()
+    known = set(known)
     while True:
-        alive = tagged(env)
+        alive = sorted(set(tagged(env)) | {pid for pid in known if _living(pid)})
         if not alive or time.monotonic() - started > within:
             return time.monotonic() - started, alive
         time.sleep(0.05)
+
+
+def _living(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def kill_tagged(env: dict[str, str]) -> None:

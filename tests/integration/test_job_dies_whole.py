@@ -83,11 +83,11 @@ def _wait_for(condition, proc: subprocess.Popen, what: str, within: float = 90) 
 
 
 def _kill_group_and_wait(proc: subprocess.Popen, tag: dict[str, str]) -> tuple[float, list[int]]:
-    workers = len(tagged(tag)) - 1
-    assert workers >= 4, "expected 2 workers and their loader processes besides the launcher"
+    job = tagged(tag)
+    assert len(job) - 1 >= 4, "expected 2 workers and their loader processes besides the launcher"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
-    return wait_gone(tag, within=5)
+    return wait_gone(tag, within=5, known=job)
 
 
 @pytest.mark.timeout(180)

@@ -165,8 +165,9 @@ def test_make_subclass(monkeypatch, fallback):
 def test_persistent_workers_end_at_once_and_the_next_pass_starts_new_ones():
     loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=1, persistent_workers=True)
     assert not compat.shutdown_persistent_workers(loader)  # no pass yet: nothing running
+    before = set(descendants(os.getpid()))  # what other tests of this process left running
     first = [batch for (batch,) in loader]
-    workers = descendants(os.getpid())
+    workers = set(descendants(os.getpid())) - before
     assert workers and compat.shutdown_persistent_workers(loader)
     assert not [pid for pid in workers if _running(pid)]
     assert torch.equal(torch.cat([batch for (batch,) in loader]), torch.cat(first))
