@@ -50,6 +50,10 @@ class Lifeline:
                 self._end()
 
     def _end(self) -> None:
+        # Each /proc read below gives the GIL up; a main thread busy in Python then holds it for a
+        # switch interval (5 ms) before this thread gets it back, which over a few hundred reads
+        # let the worker outlive its launcher by seconds. The process is ending: switch at once.
+        sys.setswitchinterval(1e-6)
         children = descendants(os.getpid())
         try:
             print(
