@@ -43,13 +43,14 @@ def wait_gone(env: dict[str, str], within: float, known: Iterable[int] = ()) -> 
     started = time.monotonic()
     known = set(known)
     while True:
-        alive = sorted(set(tagged(env)) | {pid for pid in known if _living(pid)})
+        alive = sorted(set(tagged(env)) | {pid for pid in known if living(pid)})
         if not alive or time.monotonic() - started > within:
             return time.monotonic() - started, alive
         time.sleep(0.05)
 
 
-def _living(pid: int) -> bool:
+def living(pid: int) -> bool:
+    """``pid`` has not exited (a zombie has)."""
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
     except (OSError, IndexError):

@@ -22,6 +22,7 @@ from phalanx.runtime.data import MAX_AUTO_WORKERS, auto_workers, shard_loader
 from phalanx.runtime.progress import Throughput, _status, track
 from phalanx.runtime.transfer import PlainTransfer, staged
 from tests.helpers.loaders import CPU, numbered, sharded
+from tests.helpers.processes import living
 
 
 class Recorder:
@@ -280,14 +281,7 @@ def test_close_ends_the_persistent_workers_of_a_loop_left_early(tmp_path):
     # Left to garbage collection, two workers' shutdown stalled whatever ran next by 10 s.
     before = set(descendants(os.getpid()))
     assert run(tmp_path, "left", stop_at=3, workers=2, persistent=True) == {}
-    assert [pid for pid in set(descendants(os.getpid())) - before if _running(pid)] == []
-
-
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
+    assert [pid for pid in set(descendants(os.getpid())) - before if living(pid)] == []
 
 
 def assert_same(got: dict, want: dict) -> None:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from phalanx import _torch_compat as compat
 from phalanx.errors import PhalanxError
 from phalanx.faults.lifeline import descendants
+from tests.helpers.processes import living
 
 
 class _Shared(nn.Module):
@@ -169,12 +170,5 @@ def test_persistent_workers_end_at_once_and_the_next_pass_starts_new_ones():
     first = [batch for (batch,) in loader]
     workers = set(descendants(os.getpid())) - before
     assert workers and compat.shutdown_persistent_workers(loader)
-    assert not [pid for pid in workers if _running(pid)]
+    assert not [pid for pid in workers if living(pid)]
     assert torch.equal(torch.cat([batch for (batch,) in loader]), torch.cat(first))
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False

@@ -265,7 +265,7 @@ def parse_stack(text: str) -> list[traceback.FrameSummary]:
 
 
 @functools.lru_cache(maxsize=1)
-def _roots() -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
+def _roots() -> tuple[str | None, str, tuple[str, ...]]:
     """torch's package directory (None where torch is not installed), phalanx's, and the standard
     library's, each ending in a separator. find_spec does not import torch."""
     spec = importlib.util.find_spec("torch")
@@ -273,7 +273,7 @@ def _roots() -> tuple[str | None, tuple[str, ...], tuple[str, ...]]:
     phalanx_dir = _directory(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = sysconfig.get_paths()
     stdlib = tuple(dict.fromkeys(_directory(paths[key]) for key in ("stdlib", "platstdlib") if paths.get(key)))
-    return torch_dir, (phalanx_dir,), stdlib
+    return torch_dir, phalanx_dir, stdlib
 
 
 def _directory(path: str) -> str:
@@ -297,9 +297,9 @@ def _is_library(filename: str) -> bool:
         return True
     if _torch_relative(filename) is not None:
         return True
-    _, packages, stdlib = _roots()
+    _, phalanx_dir, stdlib = _roots()
     real = _real(filename)
-    if any(real.startswith(root) for root in packages):
+    if real.startswith(phalanx_dir):
         return True
     for root in stdlib:
         if real.startswith(root):

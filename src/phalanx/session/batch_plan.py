@@ -38,10 +38,14 @@ def config_plan(config: Config, strategy: type[Strategy], world_size: int) -> Ba
     """The plan the config's sizes alone give on ``world_size`` processes; None when it sets no
     size (a training loader's ``batch_size`` will). Sizes that cannot be met raise ConfigError: the
     launcher asks before any process starts, so that it refuses what the Session would."""
-    b = config.batch
-    if not (b.global_batch_size or b.micro_batch_size or b.max_micro_batch_size):
+    if not _sets_a_size(config.batch):
         return None
-    return strategy.plan_batch(config, world_size, b.global_batch_size)
+    return strategy.plan_batch(config, world_size, config.batch.global_batch_size)
+
+
+def _sets_a_size(batch: BatchConfig, loader_batch_size: int | None = None) -> bool:
+    """Whether the config (or a training loader's ``batch_size``) gives a size to plan from."""
+    return bool(loader_batch_size or batch.global_batch_size or batch.micro_batch_size or batch.max_micro_batch_size)
 
 
 class BatchOwner:
@@ -145,10 +149,9 @@ class BatchOwner:
         """A training loader is set up (``None``: setup() ends without one): plan from its
         ``batch_size`` and the config's sizes; unchanged when neither gives a size."""
         cfg = self._config
-        global_bs = cfg.batch.global_batch_size or loader_batch_size
-        if global_bs is None and cfg.batch.micro_batch_size is None and cfg.batch.max_micro_batch_size is None:
+        if not _sets_a_size(cfg.batch, loader_batch_size):
             return self._plan
-        plan = self._sizes(global_bs)
+        plan = self._sizes(cfg.batch.global_batch_size or loader_batch_size)
         self._plan = plan
         self._layout.check(plan, loader_batch_size, self._sizes)
         reference = cfg.optim.reference_batch_size or loader_batch_size
