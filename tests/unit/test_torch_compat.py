@@ -172,3 +172,12 @@ def test_persistent_workers_end_at_once_and_the_next_pass_starts_new_ones():
     assert workers and compat.shutdown_persistent_workers(loader)
     assert not [pid for pid in workers if living(pid)]
     assert torch.equal(torch.cat([batch for (batch,) in loader]), torch.cat(first))
+
+
+def test_scale_tensors_and_its_fallback(monkeypatch):
+    tensors = [torch.ones(3), torch.full((2, 2), 2.0)]
+    compat.scale_tensors(tensors, torch.tensor(0.5))
+    assert torch.equal(tensors[0], torch.full((3,), 0.5)) and torch.equal(tensors[1], torch.ones(2, 2))
+    monkeypatch.delattr(torch, "_foreach_mul_")
+    compat.scale_tensors(tensors, torch.tensor(4.0))
+    assert torch.equal(tensors[0], torch.full((3,), 2.0)) and torch.equal(tensors[1], torch.full((2, 2), 4.0))

@@ -11,7 +11,7 @@ averaged over the ranks (one all-reduce of one number per estimating step).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -89,25 +89,38 @@ class NoiseProbe:
         if sync and self._source == "comm hook" and self.measuring(step) and self.strategy.local_norms is not None:
             self.strategy.local_norms.armed = True
 
-    def after_backward(self, step: int, first: bool, joined: int, accumulation: int, sync: bool, scaler: Any) -> None:
+    def after_backward(
+        self,
+        step: int,
+        first: bool,
+        joined: int,
+        accumulation: int,
+        sync: bool,
+        scaler: Any,
+        mean_factor: Callable[[bool], float] | None = None,
+    ) -> None:
         """``first``: the step's first forward, over ``joined`` micro-batches (batch.adaptive joins
         them) of the step's ``accumulation``; ``scaler``: fp16's GradScaler (gradients are scaled
         until the step) or None. The Session keeps an estimating step's first forward to one
-        micro-batch (wants_one_micro_batch_first), so the small batch is the plan's micro-batch."""
+        micro-batch (wants_one_micro_batch_first), so the small batch is the plan's micro-batch.
+        ``mean_factor``: with token-weighted losses (session/items.py), what turns the gradients
+        held after the first backward (False) or a rank's whole window (True) into a mean."""
         if not self.measuring(step):
             return
         scale = float(scaler.get_scale()) if scaler is not None else 1.0
         if self._source == "micro-step" and first and joined == 1:
-            # The loss was divided by the accumulation steps: the micro-batch's own mean gradient
-            # is the accumulated one times that.
-            self._small = self.strategy.gradient_sq(self._models) * (accumulation / scale) ** 2
+            # The loss was divided by the accumulation steps (or weighted by its items): the
+            # micro-batch's own mean gradient is the accumulated one times that.
+            factor = mean_factor(False) if mean_factor is not None else accumulation
+            self._small = self.strategy.gradient_sq(self._models) * (factor / scale) ** 2
         if not sync:
             return
         if self._source == "comm hook":
             norms = self.strategy.local_norms  # None where fsdp found no reduce-scatter to wrap after all
             local = norms.take() if norms is not None else None
             # DDP's buckets hold the micro-steps' sum (each loss divided by the steps): the mean.
-            self._small = local / scale**2 if local is not None else None
+            factor = mean_factor(True) if mean_factor is not None and local is not None else 1.0
+            self._small = local * (factor / scale) ** 2 if local is not None else None
         small, self._small = self._small, None
         big = self.strategy.gradient_sq(self._models) / scale**2
         if self.topology.world_size > 1:

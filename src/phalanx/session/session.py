@@ -53,6 +53,7 @@ from phalanx.session.batch_plan import BatchOwner
 from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.gradients import GradientKeeping
 from phalanx.session.guards import PortingGuards
+from phalanx.session.items import ItemWeighting, weighted_mean
 from phalanx.session.limit import StepLimit
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
@@ -108,6 +109,10 @@ class Session:
         self._weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
         self._forward_micro = 1  # the loader's micro-batches in the current forward (see accumulate)
         self._joined_batch = 1  # ... in the training batch handed out last, until a forward takes it
+        # session.backward(loss, items=n): the window's items, and the step's rescaling by them.
+        self._items = ItemWeighting(
+            self.strategy.data_parallel_size, self.topology.comm_device, self.strategy.data_parallel_size > 1
+        )
         self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._active_loader: DeviceLoader | None = None
@@ -448,8 +453,12 @@ class Session:
         if self.sync_gradients:
             self.step()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with the 1/accumulation_steps division (once) and fp16 loss scaling."""
+    def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
+        """``loss.backward()`` with the 1/accumulation_steps division (once) and fp16 loss scaling.
+
+        ``items``: ``loss`` is a mean over this many items (tokens, say ``(labels != -100).sum()``);
+        the optimizer step's gradient is then the mean over every item of the global batch, across
+        micro-steps and processes, and the reported loss is that mean too (session/items.py)."""
         steps = self.accumulation_steps
         joined = self._forward_micro if self._in_accumulate else 1
         if steps > 1 and not self._in_accumulate:
@@ -457,15 +466,29 @@ class Session:
                 f"accumulation_steps is {steps}: "
                 "put the forward and session.backward(loss) inside `with session.accumulate(model):`"
             )
+        weighted = items is not None
+        if weighted and not self.strategy.weighs_items:
+            raise PhalanxError(
+                f"strategy {self.strategy.name} cannot weight the loss by items: "
+                + self.strategy.advice.get("items", "drop items= (each micro-batch's loss then counts alike)")
+            )
+        self._items.begin(weighted)
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
         first = self.state.micro == joined
         self._gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and not first)
         where = (self.state.step, first, joined, steps, self.sync_gradients)
         self.noise.before_backward(*where)
-        # The mean over `joined` micro-batches is `joined` of the step's 1/steps shares.
-        self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
-        self.noise.after_backward(*where, self.precision.scaler)
+        if weighted:
+            scaled = self._items.scaled_loss(loss, items, steps)
+            if self.sync_gradients:
+                self._items.start_reduce()  # overlaps the gradients' own reduction in the backward
+            self.strategy.backward(scaled, self.precision, 1)
+            self._last_loss = self._items.finish(self._models) if self.sync_gradients else loss.detach()
+        else:
+            # The mean over `joined` micro-batches is `joined` of the step's 1/steps shares.
+            self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
+        self.noise.after_backward(*where, self.precision.scaler, self._items.mean_factor if weighted else None)
         self._gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self._memory_cap is not None:
             self._memory_cap.check()
@@ -532,6 +555,7 @@ class Session:
             self._guards.in_step = False
             self.state.micro = 0
             self._unscaled = False
+            self._items.reset()
         if self._memory_cap is not None:
             self._memory_cap.check()  # the optimizer's state appears at its first step
         if stepped:
@@ -546,6 +570,7 @@ class Session:
             "at the end of the epoch"
         )
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
+        self._items.reset()
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
         self._gradients.after_step()
@@ -567,8 +592,15 @@ class Session:
             self._joined_batch = loader.last_group
         self._recovery.beat()
 
-    def reduce(self, value: Any, op: str = "mean") -> Any:
-        """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min."""
+    def reduce(self, value: Any, op: str = "mean", *, items: Any = None) -> Any:
+        """All-reduce a tensor or number over the data-parallel processes: op is sum | mean | max | min.
+        ``items``: ``value`` is a mean over this many items (tokens) on this process; the result is
+        the mean over every process's items (op mean only)."""
+        if items is not None:
+            if op != "mean":
+                raise PhalanxError(f"session.reduce(value, op={op!r}, items=n): items weight a mean; use op='mean'")
+            dp = self.strategy.data_parallel_size
+            return weighted_mean(value, items, data_parallel_size=dp, comm_device=self.topology.comm_device)
         return collectives.reduce(value, op, **self._collective_args())
 
     def gather_for_metrics(self, tensor: torch.Tensor | float | int) -> torch.Tensor:

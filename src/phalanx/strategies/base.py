@@ -80,6 +80,9 @@ class Strategy:
     # gradient (what the gradient noise scale takes as its small batch; runtime/noise_scale.py).
     # False where gradients accumulate elsewhere (fsdp: unsharded, inside FSDP) or are a stage's.
     local_micro_step_gradients: ClassVar[bool] = True
+    # session.backward(loss, items=n) works: the loss the script computes is what is back-propagated
+    # (not replayed per chunk), so it can be weighted by its items.
+    weighs_items: ClassVar[bool] = True
     # What a refusal for a missing capability adds after naming it: why, and the fix; keyed by
     # the setting refused ("precision.mode", "compute.channels_last", ...). checks.py writes a
     # generic fix where a strategy gives none.

@@ -77,7 +77,12 @@ class Pipeline(Strategy):
     direct_calls = "none"
     advice: ClassVar[dict[str, str]] = {
         "precision.mode": "(fp32 only for now); set precision.mode fp32, or use fsdp or ddp for bf16/fp16",
+        "items": (
+            "its schedule replays the loss on each pipeline micro-batch and averages those means; drop items=, "
+            "or use fsdp or ddp for a token-weighted loss"
+        ),
     }
+    weighs_items = False
 
     def __init__(self, config, topology):
         super().__init__(config, topology)

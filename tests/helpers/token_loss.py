@@ -1,0 +1,120 @@
+"""Workers for the token-weighted loss tests: a tiny next-token model over variable-length,
+padded sequences (labels -100 at the padding), the loss a mean over each micro-batch's valid
+tokens, trained through a Session with and without ``items``, and the one-process reference
+that takes each global batch in one micro-batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from phalanx import Config, Session
+
+VOCAB, WIDTH, LENGTH = 32, 16, 12
+GLOBAL_BATCH, STEPS, LR = 8, 16, 0.5
+
+
+class Sequences(Dataset):
+    """Sequences of 1..LENGTH tokens, padded to LENGTH; lengths vary a lot, so means of means differ."""
+
+    def __init__(self, n: int, seed: int = 0, uniform: bool = False):
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (n, LENGTH + 1), generator=g)
+        self.lengths = torch.randint(1, LENGTH + 1, (n,), generator=g)
+        if uniform:  # every sequence as long: a mean of means is then the mean over tokens
+            self.lengths.fill_(LENGTH // 2)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, labels = self.tokens[i, :-1].clone(), self.tokens[i, 1:].clone()
+        labels[self.lengths[i] :] = -100
+        ids[self.lengths[i] :] = 0
+        return {"input_ids": ids, "labels": labels}
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The usual one-GPU loss: cross entropy averaged over the valid tokens, and their count."""
+    logits = model(batch["input_ids"])
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    return loss, (labels != -100).sum()
+
+
+def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """One process, one micro-batch per global batch: the mean over the global batch's tokens."""
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(Sequences(GLOBAL_BATCH * steps), batch_size=GLOBAL_BATCH, shuffle=False)
+    losses = []
+    for batch in loader:
+        loss, _ = token_loss(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"state": model.state_dict(), "losses": losses}
+
+
+def train(
+    strategy: str, micro: int, weighted: bool, steps: int = STEPS, *, uniform: bool = False, noise: bool = False
+) -> dict[str, Any]:
+    """``weighted``: ``session.backward(loss, items=n)``; otherwise the plain contract. ``uniform``:
+    sequences of one length; ``noise``: the gradient noise scale is estimated at every step."""
+    measure = {"noise_scale": "hook", "noise_scale_every": 1, "noise_scale_smoothing": 0.9} if noise else {}
+    session = Session(
+        Config(),
+        strategy=strategy,
+        batch={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro},
+        train={"progress": False, "metrics": False, "seed": 0, **measure},
+        checkpoint={"resume": "never"},
+    )
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = session.setup(model, opt)
+    loader = session.setup_loader(
+        DataLoader(Sequences(GLOBAL_BATCH * steps, uniform=uniform), batch_size=GLOBAL_BATCH, shuffle=False),
+        train=True,
+    )
+    losses, reduced = [], []
+    for batch in loader:
+        with session.accumulate(model):
+            loss, items = token_loss(model, batch)
+            session.backward(loss, items=items if weighted else None)
+            if session.sync_gradients:
+                reduced.append(session.reduce(loss.detach(), items=items))
+        if session.sync_gradients:
+            losses.append(session._loss_value())
+    state = {k: v.detach().cpu() for k, v in session.model_state_dict().items()}
+    out = {
+        "state": state,
+        "losses": losses,
+        "reduced": [float(r) for r in reduced],
+        "accumulation": session.accumulation_steps,
+        "steps": session.step_count,
+        "noise_scale": session.noise.value,
+    }
+    session.close()
+    return out
+
+
+def run(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``train(*args, **kwargs)``, for phalanx.spawn (which passes positional arguments only)."""
+    return train(*args, **kwargs)
