@@ -2,10 +2,11 @@
 the check that a deferred model's uninitialised modules get weights before they run.
 
 Rank 0 reads the source one tensor at a time (checkpoint/weights.py: a safetensors file is read,
-not memory-mapped) and broadcasts it; each rank copies its share in (strategy.put_weight: the
-whole tensor, its FSDP shard, or nothing for another pipeline stage's tensor). So the host memory
-of a load is about one tensor on each rank, however large the model, and the device memory one
-full tensor on top of what the rank keeps. Every verdict (a file that cannot be read, keys or
+not memory-mapped; checkpoint/hf_files.py: a Hugging Face directory, an index or a list of files,
+one shard open at a time, in the files' order) and broadcasts it; each rank copies its share in
+(strategy.put_weight: the whole tensor, its FSDP shard, or nothing for another pipeline stage's
+tensor). So the host memory of a load is about one tensor on each rank, however large the model,
+and the device memory one full tensor on top of what the rank keeps. Every verdict (a file that cannot be read, keys or
 shapes that do not match) is decided on rank 0 and broadcast first, so all ranks raise the same
 one-line error and none is left waiting in a broadcast.
 """
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.checkpoint.weights import WeightsFile
+from phalanx.checkpoint.hf_files import open_weights
 from phalanx.errors import PhalanxError
 from phalanx.strategies import Strategy
 from phalanx.strategies.construction import uninitialised_message
@@ -88,11 +89,9 @@ class Weights:
         try:
             if verdict:
                 raise PhalanxError(verdict)
-            for names, slot in groups:
-                present = next((n for n in names if n in index), None)
-                if present is not None:  # a tied weight is read once, under the first of its names the file has
-                    self._transfer(present, slot, index[present], reader, alone)
-                    loaded.update(names)
+            for present, names, slot in _in_file_order(groups, index):
+                self._transfer(present, slot, index[present], reader, alone)
+                loaded.update(names)
         finally:
             if reader is not None:
                 reader.close()
@@ -148,16 +147,45 @@ class Weights:
 def _open(source: Any) -> Any:
     if isinstance(source, Mapping):
         return _StateDict(source)
-    if isinstance(source, (str, Path)):
-        return WeightsFile(source)
+    if isinstance(source, (str, Path)) or _paths(source):
+        return open_weights(source)
     raise PhalanxError(
-        f"session.load_weights() takes a state dict or the path of a .safetensors or .pt file, "
-        f"not {type(source).__name__}"
+        "session.load_weights() takes a state dict or the path of a weights file (.safetensors, .pt), of a Hugging "
+        f"Face model directory or of an index file (*.index.json), or a list of weight files, not {_what(source)}"
     )
 
 
+def _paths(source: Any) -> bool:
+    return isinstance(source, (list, tuple)) and all(isinstance(p, (str, Path)) for p in source)
+
+
+def _what(source: Any) -> str:
+    if isinstance(source, (list, tuple)):
+        odd = next(p for p in source if not isinstance(p, (str, Path)))
+        return f"a {type(source).__name__} holding {type(odd).__name__}"
+    return type(source).__name__
+
+
 def _name(source: Any) -> str:
-    return f"'{source}'" if isinstance(source, (str, Path)) else "the state dict"
+    if isinstance(source, (str, Path)):
+        return f"'{source}'"
+    if _paths(source):
+        return f"'{source[0]}'" if len(source) == 1 else f"the {len(source)} weight files '{source[0]}', ..."
+    return "the state dict"
+
+
+def _in_file_order(groups: list[tuple[list[str], torch.Tensor]], index: dict) -> list[tuple[str, list[str], Any]]:
+    """(the name to read, every name of the tensor, its slot) for each tensor the source holds, in
+    the source's order: a sharded source is then read shard after shard, each opened once. A tied
+    weight is read once, under the first of its names the source has. Every rank computes the same
+    order (the groups and the broadcast index are the same everywhere)."""
+    position = {name: i for i, name in enumerate(index)}
+    found = []
+    for names, slot in groups:
+        present = next((n for n in names if n in index), None)
+        if present is not None:
+            found.append((present, names, slot))
+    return sorted(found, key=lambda item: position[item[0]])
 
 
 class _StateDict:
