@@ -27,40 +27,111 @@ def open_checkpoint(path: str | Path, *, verify: bool = True) -> dict[str, Any]:
 
 def model_state_dict(manifest: dict[str, Any], model: int = 0) -> dict[str, torch.Tensor]:
     """The full weights of model ``model`` of a checkpoint, on the CPU."""
+    if manifest["layout"] == "plain":
+        # Read whole, not mapped: the caller keeps the tensors, and a mapping would pin the file.
+        from phalanx.checkpoint.safe import load_file
+
+        path = Path(manifest["path"]) / "model.pt"
+        return _one_model(load_file(path), _which(manifest, model), len(manifest["models"]), path)
+    tensors = ModelTensors(manifest, model)
+    return tensors.read(list(tensors.entries))
+
+
+class ModelTensors:
+    """The weights of model ``model`` of a checkpoint, a few tensors at a time: ``entries`` (name ->
+    shape and dtype, in the state dict's order) and ``read(names)``. A dcp checkpoint reads only the
+    listed tensors from its shards on each call; a plain one maps ``model.pt`` (see
+    checkpoint/safe.py), so a page is read when a tensor on it is."""
+
+    def __init__(self, manifest: dict[str, Any], model: int = 0):
+        count = len(manifest["models"])
+        _which(manifest, model)
+        self.directory = Path(manifest["path"])
+        self.layout = manifest["layout"]
+        self._prefix = f"model{model}"
+        self._state: dict[str, torch.Tensor] | None = None
+        order = list(manifest["models"][model]["shapes"])
+        if self.layout == "plain":
+            entries = self._load_plain(model, count)
+        else:
+            entries = self._dcp_entries()
+        self.entries = {k: entries[k] for k in order if k in entries} | {
+            k: v for k, v in entries.items() if k not in order
+        }
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        if self._state is not None:
+            return {name: self._state[name] for name in names}
+        import torch.distributed.checkpoint as dcp
+
+        from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader
+
+        template = {name: torch.empty(self.entries[name][0], dtype=self.entries[name][1]) for name in names}
+        if not template:
+            return {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")  # it is
+            dcp.load(
+                {self._prefix: template},
+                storage_reader=SafeReader(str(self.directory / "shards")),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
+        return template
+
+    def same_storage(self) -> list[list[str]]:
+        """Names whose tensors are one tensor in the file (torch.save keeps a tied weight once): the
+        groups of a plain checkpoint saved before checkpoints recorded them. A dcp checkpoint holds
+        each name on its own, so it has none."""
+        if self._state is None:
+            return []
+        groups: dict[tuple, list[str]] = {}
+        for name, tensor in self._state.items():
+            if tensor.numel():
+                key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
+                groups.setdefault(key, []).append(name)
+        return [names for names in groups.values() if len(names) > 1]
+
+    def close(self) -> None:
+        self._state = None
+
+    def _load_plain(self, model: int, count: int) -> dict[str, tuple]:
+        from phalanx.checkpoint.safe import load_mapped
+
+        path = self.directory / "model.pt"
+        self._state = state = _one_model(load_mapped(path)[0], model, count, path)
+        return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+    def _dcp_entries(self) -> dict[str, tuple]:
+        from phalanx.checkpoint.safe import SafeReader
+
+        metadata = SafeReader(str(self.directory / "shards")).read_metadata()
+        prefix = f"{self._prefix}."
+        return {
+            key[len(prefix) :]: (tuple(meta.size), meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and hasattr(meta, "properties")
+        }
+
+
+def _which(manifest: dict[str, Any], model: int) -> int:
     count = len(manifest["models"])
     if not 0 <= model < count:
         raise PhalanxError(f"the checkpoint holds {count} model(s); --model must be 0..{count - 1}")
-    # Imported here: torch.distributed.checkpoint costs every `phalanx` command most of a second.
-    from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader, load_file
-
-    directory = Path(manifest["path"])
-    if manifest["layout"] == "plain":
-        models = load_file(directory / "model.pt")
-        state = models[model] if isinstance(models, list) and len(models) == count else None
-        if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
-            raise PhalanxError(
-                f"checkpoint file '{directory / 'model.pt'}' does not hold the {count} model state dict(s) "
-                "its manifest lists; use an earlier checkpoint"
-            )
-        return state
-    import torch.distributed.checkpoint as dcp
-
-    reader = SafeReader(str(directory / "shards"))
-    metadata = reader.read_metadata()
-    prefix = f"model{model}."
-    template: dict[str, torch.Tensor] = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith(prefix) and hasattr(meta, "properties"):
-            template[key[len(prefix) :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    state = {f"model{model}": template}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")  # it is
-        dcp.load(state, storage_reader=SafeReader(str(directory / "shards")), planner=SafeLoadPlanner(), no_dist=True)
-    order = list(manifest["models"][model]["shapes"])
-    return {k: template[k] for k in order if k in template} | {k: v for k, v in template.items() if k not in order}
+    return model
 
 
-FORMATS = ("pt", "safetensors")
+def _one_model(models: Any, model: int, count: int, path: Path) -> dict[str, torch.Tensor]:
+    state = models[model] if isinstance(models, list) and len(models) == count else None
+    if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
+        raise PhalanxError(
+            f"checkpoint file '{path}' does not hold the {count} model state dict(s) "
+            "its manifest lists; use an earlier checkpoint"
+        )
+    return state
+
+
+FORMATS = ("pt", "safetensors")  # files; `--format hf` (a directory) is hf_export.py's
 
 
 def output_format(out: str | Path, format: str | None = None) -> str:
@@ -104,7 +175,10 @@ def _check_output(out: Path, format: str = "pt") -> None:
     if "\x00" in str(out):
         raise PhalanxError(f"the output path {str(out)!r} holds a NUL character; give a file path")
     if out.is_dir():
-        raise PhalanxError(f"'{out}' is a directory; give the file to write, e.g. {out / f'model.{format}'}")
+        raise PhalanxError(
+            f"'{out}' is a directory; give the file to write, e.g. {out / f'model.{format}'}, "
+            "or write a Hugging Face model directory with --format hf"
+        )
     if out.exists() and not out.is_file():
         # os.replace would put the export in place of a device, FIFO or socket.
         raise PhalanxError(f"'{out}' exists and is not a regular file; give the path of a file to write")

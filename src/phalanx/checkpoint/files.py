@@ -329,6 +329,10 @@ def _check(m: Any) -> None:
                 raise _Bad(f"{_child(f'{where}.shapes', name)} is not a plain parameter name")
             for j, size in enumerate(_list(shape, _child(f"{where}.shapes", name))):
                 _whole(size, f"{_child(f'{where}.shapes', name)}[{j}]")
+        for j, group in enumerate(_list(model.get("tied", []), f"{where}.tied")):  # absent before tied groups
+            names = _list(group, f"{where}.tied[{j}]")
+            if len(names) < 2 or not all(isinstance(n, str) and n in shapes for n in names):
+                raise _Bad(f"{where}.tied[{j}] is not a list of two or more of the model's tensor names")
     for i, name in enumerate(_list(_need(m, "optimizers"), "optimizers")):
         _text(name, f"optimizers[{i}]")
     listed = _object(_need(m, "files"), "files")

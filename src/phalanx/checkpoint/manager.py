@@ -6,6 +6,7 @@
     model.pt        plain layout: full model state dicts                       (rank 0)
     optimizer.pt    plain layout: full optimizer state dicts                   (rank 0)
     shards/         dcp layout: torch.distributed.checkpoint, each rank its own shards
+    hf/model<i>/    a Hugging Face model's config.json and generation_config.json  (rank 0)
 
 Everything is loaded with ``weights_only=True`` (model.pt and optimizer.pt memory-mapped, see
 :meth:`Checkpointer._load_plain`) or phalanx's allow-listed DCP reader.
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.checkpoint import contents, files
+from phalanx.checkpoint import contents, files, hf_model
 from phalanx.errors import PhalanxError
 from phalanx.topology import Topology
 from phalanx.version import __version__
@@ -88,8 +89,13 @@ class Checkpointer:
                 dcp.save(self._dcp_state(objects), storage_writer=dcp.FileSystemWriter(str(staging / SHARDS)))
         shapes = self._all_shapes(objects)
         sizes = [self._numel(m) for m in objects.models]
+        tied = [
+            [g for g in ([n for n in group if n in saved] for group in self._tied(m)) if len(g) > 1]
+            for m, saved in zip(objects.models, shapes)
+        ]
         rngs = self._gather_all(mine_rng)
         if topo.is_main:
+            self._save_hf_files(objects, staging)
             trainer = {
                 **train,
                 "schedulers": [sched.state_dict() for sched in objects.schedulers],
@@ -106,7 +112,7 @@ class Checkpointer:
             described.update(part or {})
         final = root / files.step_name(train["step"])
         if topo.is_main:
-            final = files.commit(staging, self._manifest(objects, train, shapes, sizes, described))
+            final = files.commit(staging, self._manifest(objects, train, shapes, sizes, tied, described))
             files.prune(root, self.keep_last)
         self._barrier()
         return final
@@ -165,6 +171,15 @@ class Checkpointer:
         return manifest
 
     # -- pieces of a checkpoint -------------------------------------------------------------------
+    def _save_hf_files(self, objects: TrainingObjects, staging: Path) -> None:
+        """A Hugging Face model's configs, for `phalanx checkpoint export --format hf` (rank 0 only:
+        the bare model's config is the same object on every rank)."""
+        for index, model in enumerate(objects.models):
+            for name, text in hf_model.hf_files(self.strategy.unwrap(model)).items():
+                path = staging / hf_model.stored_as(index, name)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+
     def _load_plain(self, objects: TrainingObjects, directory: Path, weights_only: bool) -> None:
         """Every rank maps the full files rather than reading them: the pages are shared through the
         page cache, so host memory does not grow with the processes on a node. The models copy the
@@ -229,6 +244,7 @@ class Checkpointer:
         train: dict[str, Any],
         shapes: list[dict[str, list[int]]],
         sizes: list[int],
+        tied: list[list[list[str]]],
         described: dict[str, Any],
     ) -> dict[str, Any]:
         """Written by rank 0 alone: nothing in here may call a collective."""
@@ -249,10 +265,14 @@ class Checkpointer:
             "global_batch_size": objects.facts.get("global_batch_size"),
             "precision": objects.facts.get("precision"),
             "data": train["data"],
-            "models": [{"parameters": n, "shapes": s} for n, s in zip(sizes, shapes)],
+            # tied: the names of one tensor (an embedding the output layer shares), the one an export keeps first
+            "models": [{"parameters": n, "shapes": s, "tied": t} for n, s, t in zip(sizes, shapes, tied)],
             "optimizers": _optimizer_names(objects),
             "files": described,
         }
+
+    def _tied(self, model: nn.Module) -> list[list[str]]:
+        return hf_model.tied_groups(self.strategy.unwrap(model), self.strategy.weight_slots(model))
 
     def _numel(self, model: nn.Module) -> int:
         local = sum(p.numel() for p in self.strategy.unwrap(model).parameters())

@@ -91,6 +91,7 @@ class WeightsFile:
         self._entries: dict[str, tuple[tuple[int, ...], torch.dtype, int, int]] = {}
         self._state: dict[str, torch.Tensor] | None = None
         self._size = self._data = 0  # the file's size; where the data buffer of a safetensors file begins
+        self.metadata: dict[str, str] = {}  # a safetensors file's "__metadata__" (who wrote it, and how)
         head = self._open()
         try:
             if head[8:9] == b"{":
@@ -196,6 +197,7 @@ class WeightsFile:
             isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
         ):
             raise self._bad('its "__metadata__" is not an object of strings')
+        self.metadata = dict(metadata or {})
         entries = [(name, self._entry(name, info, buffer)) for name, info in header.items()]
         at = 0
         for name, entry in sorted(entries, key=lambda item: item[1][2:]):  # empty tensors first at a tie
@@ -307,12 +309,19 @@ class WeightsFile:
 
 
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, metadata: dict[str, str] | None = None) -> None:
-    """``state`` as a safetensors file at ``out``, written atomically (see :func:`atomic_output`).
-
-    Tensors that are not contiguous, or that share memory with another entry (tied weights, which
-    safetensors refuses), are written from a copy of their own."""
+    """``state`` as a safetensors file at ``out``, written atomically (see :func:`atomic_output`)."""
     from safetensors.torch import save_file
 
+    plain = safetensors_ready(state)
+    out = Path(out)
+    with atomic_output(out) as tmp:
+        save_file(plain, tmp, metadata=metadata)
+
+
+def safetensors_ready(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as safetensors' writer takes it: on the CPU, and tensors that are not contiguous or
+    that share memory with another entry (tied weights, which safetensors refuses) as a copy of
+    their own. A dtype the format has no name for is one PhalanxError line."""
     for name, tensor in state.items():
         if tensor.dtype not in _DTYPES.values():
             raise PhalanxError(
@@ -329,9 +338,7 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, metadata: dict[
         elif storage is not None:
             seen.add(storage)
         plain[name] = tensor
-    out = Path(out)
-    with atomic_output(out) as tmp:
-        save_file(plain, tmp, metadata=metadata)
+    return plain
 
 
 @contextlib.contextmanager

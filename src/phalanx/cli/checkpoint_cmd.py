@@ -11,11 +11,14 @@ from phalanx.checkpoint.export import FORMATS, export, open_checkpoint, output_f
 from phalanx.checkpoint.files import describe_layout
 from phalanx.cli import options
 from phalanx.cli.console import console
-from phalanx.util.units import format_bytes
+from phalanx.errors import PhalanxError
+from phalanx.util.units import format_bytes, parse_size
 
 
 def register(commands) -> None:
-    parser = commands.add_parser("checkpoint", help="inspect a checkpoint, or export its weights as a plain state dict")
+    parser = commands.add_parser(
+        "checkpoint", help="inspect a checkpoint, or export its weights as a state dict or a Hugging Face directory"
+    )
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", parser_class=type(parser), required=True)
     info = sub.add_parser(
         "info",
@@ -32,23 +35,32 @@ def register(commands) -> None:
     info.set_defaults(run=_info)
     out = sub.add_parser(
         "export",
-        help="write one model's weights as a plain state dict",
+        help="write one model's weights as a plain state dict or a Hugging Face model directory",
         description=(
             "Write a consolidated state dict (no 'module.' prefix, whichever strategy saved it) "
             "that loads into the bare model with model.load_state_dict(torch.load(OUT)), or, as a "
-            ".safetensors file, with model.load_state_dict(safetensors.torch.load_file(OUT))."
+            ".safetensors file, with model.load_state_dict(safetensors.torch.load_file(OUT)); with "
+            "--format hf, a directory of safetensors shards, their index and the model's config.json "
+            "that transformers' from_pretrained(OUT) loads."
         ),
     )
     out.add_argument("path", help="a checkpoint directory, its parent or its 'latest' file")
-    out.add_argument("out", help="the .pt or .safetensors file to write")
+    out.add_argument("out", help="the .pt or .safetensors file to write (with --format hf: the directory)")
     out.add_argument(
         "--model", type=int, default=0, metavar="N", help="which model, when the run set up several (default 0)"
     )
     out.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=(*FORMATS, "hf"),
         default=None,
-        help="the file format (default: safetensors when OUT ends in .safetensors, else pt)",
+        help="the file format (default: safetensors when OUT ends in .safetensors, else pt); hf: a Hugging Face "
+        "model directory",
+    )
+    out.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="with --format hf: the largest shard file, e.g. 5G or 500M (K, M, G: powers of 1024; default 5G)",
     )
     out.set_defaults(run=_export)
 
@@ -96,6 +108,10 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        return _export_hf(args)
+    if args.max_shard_size is not None:
+        raise PhalanxError("--max-shard-size applies to --format hf only; add --format hf, or leave it out")
     manifest, state = export(args.path, args.out, args.model, args.format)
     count = sum(v.numel() for v in state.values())
     loader = "safetensors.torch.load_file" if output_format(args.out, args.format) == "safetensors" else "torch.load"
@@ -103,5 +119,29 @@ def _export(args: argparse.Namespace) -> int:
         f"phalanx: wrote {args.out}: {len(state)} tensors, {count:,} values of model {args.model} "
         f"at step {manifest['step']} "
         f"(saved by {manifest['strategy']}); load it with model.load_state_dict({loader}('{args.out}'))"
+    )
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from phalanx.checkpoint.hf_export import DEFAULT_MAX_SHARD, describe_shards, export_hf
+
+    limit = DEFAULT_MAX_SHARD if args.max_shard_size is None else parse_size(args.max_shard_size)
+    done = export_hf(args.path, args.out, args.model, limit)
+    manifest = done.manifest
+    head = (
+        f"phalanx: wrote {args.out}: {done.tensors} tensors, {done.values:,} values of model {args.model} "
+        f"at step {manifest['step']} (saved by {manifest['strategy']}) {describe_shards(done, limit)}"
+    )
+    if done.config is None:
+        print(
+            f"{head}; the checkpoint holds no Hugging Face config (the model had no .config when it was saved): "
+            f"copy the model's config.json into {args.out}, then load it with from_pretrained('{args.out}')"
+        )
+        return 0
+    kind = (done.config.get("architectures") or ["AutoModel"])[0]
+    print(
+        f"{head}, with {' and '.join(f for f in done.files if f.endswith('config.json'))}; "
+        f"load it with {kind}.from_pretrained('{args.out}')"
     )
     return 0
