@@ -97,6 +97,9 @@ def render(data: dict) -> str:
     if "noise_overhead" in data:  # written by benchmarks/noise_overhead.py
         out += ["## Gradient noise scale: overhead (issue 13)", ""] + header(data["noise_overhead"])
         out += data["noise_overhead"]["lines"] + [""]
+    if "items_step" in data:  # written by benchmarks/items_step.py
+        out += ["## Token-weighted loss: cost per step (issue 22)", ""] + header(data["items_step"])
+        out += data["items_step"]["lines"] + [""]
     out += _method()
     return "\n".join(out) + "\n"
 

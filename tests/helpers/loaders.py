@@ -31,3 +31,30 @@ def sharded(
         device=device,
         options=DataConfig(**options),
     )
+
+
+def ordered_training(nprocs_micro: int) -> dict:
+    """Inside phalanx.spawn: an ordered (shuffle=False) loader of 32 given to setup() with an
+    optimizer and ``batch.micro_batch_size``; what each rank drew and what the plan says."""
+    import torch.nn.functional as F
+
+    session = phalanx.Session(
+        phalanx.Config(),
+        strategy="ddp",
+        batch={"micro_batch_size": nprocs_micro},
+        train={"progress": False, "metrics": False},
+        checkpoint={"resume": "never"},
+    )
+    model = torch.nn.Linear(1, 1)
+    loader = DataLoader(TensorDataset(torch.arange(128.0).unsqueeze(1)), batch_size=32, shuffle=False)
+    model, _, loader = session.setup(model, torch.optim.SGD(model.parameters(), lr=1e-4), loader)
+    drawn = []
+    for (x,) in loader:
+        drawn.append(x.squeeze(1).long().tolist())
+        with session.accumulate(model):
+            session.backward(F.mse_loss(model(x), x))
+    plan = session.batch
+    out = {"drawn": drawn, "plan": (plan.global_batch_size, plan.micro_batch_size, plan.accumulation_steps)}
+    out["steps"] = session.step_count
+    session.close()
+    return out

@@ -166,6 +166,7 @@ class DeviceLoader:
         self._pass_start = 0  # global position where the current pass began
         self._served = 0  # batches handed out in the current pass
         self._passes = 0  # passes started (iterators created)
+        self.passing = 0  # passes being iterated now (a pass left by break ends when its iterator is dropped)
 
     @property
     def epoch(self) -> int:
@@ -234,39 +235,43 @@ class DeviceLoader:
         # Positions, callbacks and waits count batches handed to the user, not batches fetched ahead.
         arriving = staged(batches, self.transfer, ahead=self.fetch_ahead)
         unjoined: deque[Any] = deque()  # taken to join, but shaped unlike the first: one forward each
-        while True:
-            if unjoined:
-                out = unjoined.popleft()
-            else:
-                nxt = next(arriving, None)
-                if nxt is None:
-                    return
-                out = self.transfer.ready(nxt[1])
-            if self.stop_when is not None and self.stop_when():
-                return  # the pass ends as at the end of an epoch, so the script's own code after it runs
-            taken = 1
-            wanted = self.group() if self.group is not None and self._concat and not unjoined else 1
-            shape = self._joinable(out) if wanted > 1 else None
-            if shape is not None:
-                # The next batches of this pass join this one (fewer where the pass ends first).
-                rest = [self.transfer.ready(h) for _, h in itertools.islice(arriving, wanted - 1)]
-                if same_layout(shape, rest):
-                    out, taken = concat_batches([out, *rest]), 1 + len(rest)
+        self.passing += 1
+        try:
+            while True:
+                if unjoined:
+                    out = unjoined.popleft()
                 else:
-                    self._refuse_unjoined(shape, rest)
-                    unjoined.extend(rest)
-                del rest  # the joined batch alone stays alive through the forward
-            if self.on_wait is not None:
-                self.on_wait(time.perf_counter() - requested)
-            if self.state is not None:
-                self.state.batch_start = consumed
-                consumed += _batch_len(out)
-            self.last_group = taken
-            if self.on_batch is not None:
-                self.on_batch(self)
-            self._served += taken
-            yield out
-            requested = time.perf_counter()
+                    nxt = next(arriving, None)
+                    if nxt is None:
+                        return
+                    out = self.transfer.ready(nxt[1])
+                if self.stop_when is not None and self.stop_when():
+                    return  # the pass ends as at the end of an epoch, so the script's own code after it runs
+                taken = 1
+                wanted = self.group() if self.group is not None and self._concat and not unjoined else 1
+                shape = self._joinable(out) if wanted > 1 else None
+                if shape is not None:
+                    # The next batches of this pass join this one (fewer where the pass ends first).
+                    rest = [self.transfer.ready(h) for _, h in itertools.islice(arriving, wanted - 1)]
+                    if same_layout(shape, rest):
+                        out, taken = concat_batches([out, *rest]), 1 + len(rest)
+                    else:
+                        self._refuse_unjoined(shape, rest)
+                        unjoined.extend(rest)
+                    del rest  # the joined batch alone stays alive through the forward
+                if self.on_wait is not None:
+                    self.on_wait(time.perf_counter() - requested)
+                if self.state is not None:
+                    self.state.batch_start = consumed
+                    consumed += _batch_len(out)
+                self.last_group = taken
+                if self.on_batch is not None:
+                    self.on_batch(self)
+                self._served += taken
+                yield out
+                requested = time.perf_counter()
+        finally:
+            self.passing -= 1
 
     def _refuse_unjoined(self, shape: Any, rest: list[Any]) -> None:
         """Batches of different shapes (padded to their own longest sample) take one forward each,
@@ -409,8 +414,17 @@ def _shuffles(loader: DataLoader) -> bool:
     )
 
 
-def is_training_loader(loader: DataLoader) -> bool:
-    """A shuffling loader trains; a sequential one evaluates (see docs/session.md)."""
+def loader_roles(shuffling: list[bool], *, with_optimizer: bool, training_set_up: bool) -> list[bool]:
+    """Which of one ``setup()`` call's DataLoaders train, given which of them shuffle (docs/session.md,
+    "Training and evaluation loaders"): every shuffling one; and where none shuffles, the call holds
+    an optimizer and no training loader is set up yet, the first (ordered data: a language model's
+    text, a time series). The others evaluate."""
+    if any(shuffling) or not shuffling or not with_optimizer or training_set_up:
+        return list(shuffling)
+    return [i == 0 for i in range(len(shuffling))]
+
+
+def shuffles(loader: DataLoader) -> bool:
     return isinstance(loader.sampler, RandomSampler)
 
 

@@ -40,7 +40,7 @@ from phalanx.errors import PhalanxError
 from phalanx.faults.lifeline import watch_launcher
 from phalanx.metrics.recorder import create_recorder
 from phalanx.runtime.compute import Compute
-from phalanx.runtime.data import DeviceLoader, is_training_loader, shard_loader
+from phalanx.runtime.data import DeviceLoader, loader_roles, shard_loader, shuffles
 from phalanx.runtime.lr import LRScaling
 from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.runtime.precision import Precision
@@ -221,8 +221,11 @@ class Session:
         """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
 
         A shuffling DataLoader is a training loader: its ``batch_size`` is the global batch unless
-        ``batch.global_batch_size`` says otherwise. A sequential one is an evaluation loader: its
-        ``batch_size`` is per process and ``gather_for_metrics`` makes its results exact.
+        ``batch.global_batch_size`` says otherwise. Where a call holds an optimizer and no shuffling
+        loader, and no training loader is set up yet, its first DataLoader trains too (ordered data),
+        with a line that says so. Every other one is an evaluation loader: its ``batch_size`` is per
+        process and ``gather_for_metrics`` makes its results exact; a backward on its batches is
+        refused. ``setup_loader(loader, train=...)`` decides explicitly.
         """
         # Models first: a sharding strategy replaces parameters, and optimizers follow them.
         priority = {nn.Module: 0, torch.optim.Optimizer: 1}
@@ -230,11 +233,12 @@ class Session:
             range(len(objects)), key=lambda i: next((p for t, p in priority.items() if isinstance(objects[i], t)), 2)
         )
         out: list[Any] = [None] * len(objects)
+        roles = self._loader_roles(objects)
         capped = self._memory_cap is not None and self.step_count == 0
         if capped:
             self._memory_cap.begin_setup()
         for i in order:
-            out[i] = self._setup_one(objects[i])
+            out[i] = self._setup_one(objects[i], roles.get(i, False))
         self._batch.finish_setup()
         if not self._seeded and self._models:
             # Every rank built the same initial weights from the same seed; from here on ranks
@@ -251,9 +255,26 @@ class Session:
             self._memory_cap.start()  # what training adds counts, not what the script loaded before
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _setup_one(self, obj: Any) -> Any:
+    def _loader_roles(self, objects: tuple) -> dict[int, bool]:
+        """Which DataLoaders of one setup() call train (runtime/data.loader_roles), by position."""
+        places = [i for i, obj in enumerate(objects) if isinstance(obj, DataLoader)]
+        given = [shuffles(objects[i]) for i in places]
+        roles = loader_roles(
+            given,
+            with_optimizer=any(isinstance(obj, torch.optim.Optimizer) for obj in objects),
+            training_set_up=any(loader.train for loader in self._loaders),
+        )
+        if roles != given:
+            self.print(
+                "phalanx: the DataLoader given to setup() does not shuffle; it is taken as the training loader "
+                "(the first loader of a setup() call with an optimizer, where none shuffles); to evaluate with it, "
+                "set it up with session.setup_loader(loader, train=False)"
+            )
+        return dict(zip(places, roles))
+
+    def _setup_one(self, obj: Any, train: bool) -> Any:
         if isinstance(obj, DataLoader):
-            return self._setup_loader(obj, train=is_training_loader(obj))
+            return self._setup_loader(obj, train=train)
         if isinstance(obj, nn.Module):
             return self._setup_model(obj)
         if isinstance(obj, torch.optim.Optimizer):
@@ -472,6 +493,7 @@ class Session:
                 f"strategy {self.strategy.name} cannot weight the loss by items: "
                 + self.strategy.advice.get("items", "drop items= (each micro-batch's loss then counts alike)")
             )
+        self._refuse_evaluation_batches()
         self._items.begin(weighted)
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
@@ -492,6 +514,17 @@ class Session:
         self._gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self._memory_cap is not None:
             self._memory_cap.check()
+
+    def _refuse_evaluation_batches(self) -> None:
+        # The loader that handed out the last batch evaluates, and its pass is still going: this
+        # backward trains on evaluation batches, whose size is per process, not the plan's.
+        loader = self._active_loader
+        if loader is not None and not loader.train and loader.passing:
+            raise PhalanxError(
+                "session.backward() got a loss from an evaluation loader's batch (setup() took the DataLoader for "
+                "evaluation: it does not shuffle); set it up for training with "
+                "session.setup_loader(loader, train=True), or build it with shuffle=True"
+            )
 
     def clip_grad_norm_(self, max_norm: float, model: nn.Module | None = None) -> torch.Tensor | None:
         """Clip the global gradient norm; returns it. Does nothing (returns None) on micro-steps
