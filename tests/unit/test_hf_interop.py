@@ -1,0 +1,102 @@
+"""Hugging Face checkpoints in and out of phalanx in one process, with real transformers models built
+from small configs (no download): what save_pretrained writes in shards loads strictly into a model
+set up by phalanx (single, and ddp over one process), the tied GPT-2 head included; a checkpoint of
+a trained model exports (`phalanx checkpoint export --format hf`) to a directory that
+from_pretrained loads with no missing or unexpected key, the same weights, the tie, and the config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import phalanx
+from phalanx.cli.main import main
+from phalanx.errors import PhalanxError
+from tests.helpers import hf_models
+
+transformers = pytest.importorskip("transformers")
+
+
+def _session(strategy: str, **kwargs) -> phalanx.Session:
+    return phalanx.Session(strategy=strategy, train={"progress": False, "metrics": False, "seed": 0}, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_save_pretrained_shards_load_strictly(tmp_path, kind, strategy):
+    source = hf_models.pretrained(kind, str(tmp_path / "hf"))
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1  # sharded, with its index
+    if kind == "gpt2":
+        assert (
+            "lm_head.weight"
+            not in json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+        )
+    session = _session(strategy)
+    model = session.setup(hf_models.build(kind))
+    session.load_weights(tmp_path / "hf")  # strict
+    state = session.model_state_dict(model)
+    assert state.keys() == source.keys()
+    assert all(torch.equal(state[k], v) for k, v in source.items())
+    bare = session.unwrap(model)
+    if kind == "gpt2":
+        assert bare.lm_head.weight is bare.transformer.wte.weight
+    session.close()
+
+
+def test_a_directory_of_another_model_is_one_line(tmp_path):
+    hf_models.pretrained("llama", str(tmp_path / "hf"))
+    session = _session("single")
+    session.setup(hf_models.build("gpt2"))
+    with pytest.raises(PhalanxError, match=rf"^'{tmp_path / 'hf'}' does not match the model: \d+ keys of the model"):
+        session.load_weights(tmp_path / "hf")
+    session.close()
+
+
+def _trained_checkpoint(kind: str, root, strategy: str = "single"):
+    session = _session(strategy, checkpoint={"dir": str(root), "resume": "never"})
+    model = hf_models.build(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = session.setup(model, optimizer)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        ids = torch.randint(0, hf_models.VOCAB, (4, hf_models.SEQUENCE), generator=g)
+        with session.accumulate(model):
+            session.backward(model(input_ids=ids, labels=ids).loss)
+    path = session.save()
+    weights = {k: v.clone() for k, v in session.model_state_dict(model).items()}
+    session.close()
+    return path, weights
+
+
+@pytest.mark.parametrize("kind, strategy", [("gpt2", "single"), ("llama", "single"), ("gpt2", "fsdp")])
+def test_an_export_loads_with_from_pretrained(capsys, tmp_path, kind, strategy):
+    path, weights = _trained_checkpoint(kind, tmp_path / "ck", strategy)
+    out = tmp_path / "export"
+    capsys.readouterr()
+    assert main(["checkpoint", "export", "--format", "hf", "--max-shard-size", "20K", str(path), str(out)]) == 0
+    line = capsys.readouterr().out
+    architecture = "GPT2LMHeadModel" if kind == "gpt2" else "LlamaForCausalLM"
+    assert f"with config.json and generation_config.json; load it with {architecture}.from_pretrained('{out}')" in line
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in names and "model-00002-of-" in " ".join(names)
+    hf_models.quiet()
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(loaded).__name__ == architecture
+    state = loaded.state_dict()
+    assert state.keys() == weights.keys() and all(torch.equal(state[k], v) for k, v in weights.items())
+    if kind == "gpt2":
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert "lm_head.weight" not in index["weight_map"]  # as save_pretrained leaves it out
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config["dtype"] == "float32"
+    assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] == 0
+    # phalanx reads its own export back, strictly, as it reads save_pretrained's.
+    session = _session("single")
+    again = session.setup(hf_models.build(kind, seed=5))
+    session.load_weights(out)
+    assert all(torch.equal(session.model_state_dict(again)[k], v) for k, v in weights.items())
+    session.close()
