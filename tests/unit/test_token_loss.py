@@ -19,10 +19,11 @@ from tests.helpers import token_loss as tl
 from tests.helpers.training import rel_diff
 
 
-def test_accumulated_micro_batches_give_the_global_batchs_token_mean():
+@pytest.mark.parametrize("strategy", ["single", "ddp", "zero1", "fsdp"])
+def test_accumulated_micro_batches_give_the_global_batchs_token_mean(strategy):
     reference = tl.reference(steps=6)
-    weighted = tl.train("single", 2, True, steps=6)
-    plain = tl.train("single", 2, False, steps=6)
+    weighted = tl.train(strategy, 2, True, steps=6)
+    plain = tl.train(strategy, 2, False, steps=6)
     assert weighted["accumulation"] == 4
     assert rel_diff(weighted["state"], reference["state"]) < 1e-5
     assert weighted["losses"] == pytest.approx(reference["losses"], rel=1e-5)
