@@ -74,17 +74,28 @@ def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
 
 
 def train(
-    strategy: str, micro: int, weighted: bool, steps: int = STEPS, *, uniform: bool = False, noise: bool = False
+    strategy: str,
+    micro: int,
+    weighted: bool,
+    steps: int = STEPS,
+    *,
+    uniform: bool = False,
+    noise: bool = False,
+    ckpt: str | None = None,
+    save_at: int | None = None,
+    resume: str | None = None,
 ) -> dict[str, Any]:
     """``weighted``: ``session.backward(loss, items=n)``; otherwise the plain contract. ``uniform``:
-    sequences of one length; ``noise``: the gradient noise scale is estimated at every step."""
+    sequences of one length; ``noise``: the gradient noise scale is estimated at every step;
+    ``save_at``: a checkpoint into ``ckpt`` after that step (training goes on); ``resume``: the
+    checkpoint to go on from."""
     measure = {"noise_scale": "hook", "noise_scale_every": 1, "noise_scale_smoothing": 0.9} if noise else {}
     session = Session(
         Config(),
         strategy=strategy,
         batch={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro},
         train={"progress": False, "metrics": False, "seed": 0, **measure},
-        checkpoint={"resume": "never"},
+        checkpoint={"dir": ckpt or "checkpoints", "resume": "never"},
     )
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -93,7 +104,9 @@ def train(
         DataLoader(Sequences(GLOBAL_BATCH * steps, uniform=uniform), batch_size=GLOBAL_BATCH, shuffle=False),
         train=True,
     )
-    losses, reduced = [], []
+    if resume is not None:
+        session.load(resume)
+    losses, reduced, saved = [], [], None
     for batch in loader:
         with session.accumulate(model):
             loss, items = token_loss(model, batch)
@@ -102,6 +115,8 @@ def train(
                 reduced.append(session.reduce(loss.detach(), items=items))
         if session.sync_gradients:
             losses.append(session._loss_value())
+            if session.step_count == save_at:
+                saved = str(session.save())
     state = {k: v.detach().cpu() for k, v in session.model_state_dict().items()}
     out = {
         "state": state,
@@ -110,6 +125,8 @@ def train(
         "accumulation": session.accumulation_steps,
         "steps": session.step_count,
         "noise_scale": session.noise.value,
+        "unit": session._items.unit,
+        "saved": saved,
     }
     session.close()
     return out
