@@ -75,9 +75,11 @@ def test_an_export_loads_with_from_pretrained(capsys, tmp_path, kind, strategy):
     path, weights = _trained_checkpoint(kind, tmp_path / "ck", strategy)
     out = tmp_path / "export"
     capsys.readouterr()
+    architecture = "GPT2LMHeadModel" if kind == "gpt2" else "LlamaForCausalLM"
+    assert main(["checkpoint", "info", str(path)]) == 0
+    assert f"tensors ({architecture}, with its config: export it with --format hf)" in capsys.readouterr().out
     assert main(["checkpoint", "export", "--format", "hf", "--max-shard-size", "20K", str(path), str(out)]) == 0
     line = capsys.readouterr().out
-    architecture = "GPT2LMHeadModel" if kind == "gpt2" else "LlamaForCausalLM"
     assert f"with config.json and generation_config.json; load it with {architecture}.from_pretrained('{out}')" in line
     names = sorted(p.name for p in out.iterdir())
     assert "model.safetensors.index.json" in names and "model-00002-of-" in " ".join(names)

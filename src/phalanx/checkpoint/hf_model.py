@@ -24,6 +24,19 @@ def stored_as(model: int, name: str) -> str:
     return f"hf/model{model}/{name}"
 
 
+def recorded_class(manifest: dict[str, Any], model: int) -> str | None:
+    """The class of model ``model`` of a checkpoint whose Hugging Face config it recorded, or None."""
+    name = stored_as(model, CONFIG)
+    if name not in manifest["files"]:
+        return None
+    try:
+        with open(f"{manifest['path']}/{name}", encoding="utf-8") as fh:
+            architectures = json.load(fh).get("architectures")
+    except (OSError, ValueError, AttributeError):  # shown, not loaded: a damaged file says nothing here
+        return None
+    return architectures[0] if isinstance(architectures, list) and architectures else "a Hugging Face model"
+
+
 def hf_files(model: nn.Module) -> dict[str, str]:
     """``{"config.json": text, "generation_config.json": text}`` for the bare ``model``, either
     absent where the model has no such config."""

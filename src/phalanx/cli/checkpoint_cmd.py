@@ -9,6 +9,7 @@ from rich.table import Table
 
 from phalanx.checkpoint.export import FORMATS, export, open_checkpoint, output_format
 from phalanx.checkpoint.files import describe_layout
+from phalanx.checkpoint.hf_model import recorded_class
 from phalanx.cli import options
 from phalanx.cli.console import console
 from phalanx.errors import PhalanxError
@@ -90,7 +91,7 @@ def _info(args: argparse.Namespace) -> int:
         (
             "models",
             "; ".join(
-                f"{i}: {m['parameters']:,} parameters in {len(m['shapes'])} tensors"
+                f"{i}: {m['parameters']:,} parameters in {len(m['shapes'])} tensors{_hf(manifest, i)}"
                 for i, m in enumerate(manifest["models"])
             ),
         ),
@@ -105,6 +106,11 @@ def _info(args: argparse.Namespace) -> int:
         table.add_row(key, value)
     console().print(table)
     return 0
+
+
+def _hf(manifest: dict, model: int) -> str:
+    kind = recorded_class(manifest, model)
+    return f" ({kind}, with its config: export it with --format hf)" if kind else ""
 
 
 def _export(args: argparse.Namespace) -> int:
