@@ -312,7 +312,9 @@ def test_load_weights_reports_a_bad_index_or_a_mismatch_in_one_line(tmp_path):
     with pytest.raises(PhalanxError, match=rf"'{tmp_path}' does not match the model: 3 keys of the model missing"):
         session.load_weights(tmp_path)
     shards = [str(tmp_path / f) for f in list(SHARDS)[:2]]
-    with pytest.raises(PhalanxError, match=r"the 2 weight files '.*00001-of-00003.safetensors', \.\.\. does not match"):
+    with pytest.raises(
+        PhalanxError, match=r"the set of 2 weight files \('.*00001-of-00003.safetensors', \.\.\.\) does not match"
+    ):
         session.load_weights(shards)
     session.load_weights(shards, strict=False)
     with pytest.raises(PhalanxError, match="or a list of weight files, not a list holding int"):

@@ -181,7 +181,8 @@ def _staging(out: Path) -> Iterator[Path]:
     old = staging.with_suffix(".old")
     done = False
     try:
-        shutil.rmtree(staging, ignore_errors=True)  # left by an export of this pid that was killed
+        for stale in (staging, old):  # left by a killed export that had this process id
+            shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir()
         yield staging
         files.fsync_tree(staging)

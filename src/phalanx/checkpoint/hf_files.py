@@ -44,7 +44,11 @@ def open_weights(source: str | os.PathLike | Sequence[str | os.PathLike]) -> Wei
     if isinstance(source, (list, tuple)):
         return ShardedWeights.from_files([Path(p) for p in source])
     path = Path(source)
-    if path.is_dir():
+    try:
+        directory = path.is_dir()
+    except OSError:  # not searchable: WeightsFile says so in its own words
+        directory = False
+    if directory:
         return _open_directory(path)
     if path.name.endswith(INDEX_SUFFIX):
         return ShardedWeights.from_index(path)

@@ -170,7 +170,7 @@ def _name(source: Any) -> str:
     if isinstance(source, (str, Path)):
         return f"'{source}'"
     if _paths(source):
-        return f"'{source[0]}'" if len(source) == 1 else f"the {len(source)} weight files '{source[0]}', ..."
+        return f"'{source[0]}'" if len(source) == 1 else f"the set of {len(source)} weight files ('{source[0]}', ...)"
     return "the state dict"
 
 
