@@ -320,6 +320,16 @@ def module_initializer(module: nn.Module) -> Callable[[], None] | None:
     return None
 
 
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """How many times ``tensor`` was written in place (also on the meta device, where nothing is
+    stored): what strategies/model_init.py watches to see which parameters an initialiser writes.
+
+    Checked on torch 2.13 (``Tensor._version``, the counter autograd checks saved tensors with; a
+    write through ``.data`` does not count). None where the name is gone: then an initialiser is
+    taken to write its module's own parameters only."""
+    return getattr(tensor, "_version", None)
+
+
 # -- the gradient noise scale under fsdp (session/noise.py) ---------------------------------------
 def fsdp_measuring_reduce_scatter(add: Callable[[torch.Tensor], None], armed: Callable[[], bool]) -> Any:
     """A reduce-scatter for ``FSDPModule.set_custom_reduce_scatter`` (public) that hands each input

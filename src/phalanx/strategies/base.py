@@ -201,13 +201,13 @@ class Strategy:
             if existing.root is model:
                 return existing
         self._materializers.append(
-            Materializer(model, self.config.train.seed, in_place=in_place, skip_init=self.skip_init)
+            Materializer(model, self.config.train.seed, in_place=in_place, skip_init=self.skip_init, strategy=self.name)
         )
         return self._materializers[-1]
 
     def uninitialised(self, model: nn.Module) -> dict[str, list[str]]:
         """Modules of the deferred ``model`` (the user's, as given to setup()) left without initial
-        weights (no reset_parameters()): module name -> its tensors' names. load_weights fills them."""
+        weights (nothing initialised them): module name -> its tensors' names. load_weights fills them."""
         return next((dict(m.uninitialised) for m in self._materializers if m.root is model), {})
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
