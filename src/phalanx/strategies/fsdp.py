@@ -13,12 +13,12 @@ from torch import nn
 
 from phalanx._torch_compat import fsdp_measuring_reduce_scatter
 from phalanx.config.sections import Section
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, PhalanxError
 from phalanx.runtime.noise_scale import LocalNorms
 from phalanx.strategies.base import Sharding, Strategy
-from phalanx.strategies.construction import is_deferred
+from phalanx.strategies.construction import is_deferred, whole_model_refusal
+from phalanx.strategies.fsdp_units import shard_groups
 from phalanx.strategies.plan_rows import PlanRow
-from phalanx.util.modules import post_order, submodules_of
 from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
 
@@ -109,7 +109,9 @@ class FSDP(Strategy):
         # A deferred model stays on meta: wrap_model materialises each unit just before sharding it.
         if not is_deferred(model):
             return super().place(model)
-        self.materializer(model, in_place=False)  # names taken now, before activation checkpointing wraps modules
+        build = self.materializer(model, in_place=False)  # names taken now, before activation checkpointing
+        if build.needs_whole_model_init():  # it would run on the sharded model: refused before any work
+            raise PhalanxError(whole_model_refusal(self.name, build.inits.label(), "one shard unit at a time"))
         return model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -128,12 +130,16 @@ class FSDP(Strategy):
         # A deferred model is materialised one unit at a time, each sharded at once: the set-up peak
         # is this rank's shards plus one whole unit, never the whole model.
         build = self.materializer(model, in_place=False) if is_deferred(model) else None
-        for unit in self._shard_units(model):
+        for group in self._shard_groups(model):
             if build is not None:
-                build.materialize(unit, self.topology.device)
-            fully_shard(unit, **kwargs)
+                for module in group:  # in the model's order, so a tied weight is written as in one piece
+                    build.materialize(module, self.topology.device)
+                build.settle()  # what no initialiser wrote is found while the unit is whole on every rank
+            # A tied weight's holders are one group (torch's advice for shared parameters).
+            fully_shard(group if len(group) > 1 else group[0], **kwargs)
         if build is not None:
             build.materialize(model, self.topology.device)  # what no unit claimed: embeddings, head, norms
+            build.settle()
         fully_shard(model, **kwargs)
         self._measure_reduce_scatters(model)
         # model.load_state_dict() takes the user's plain weights, as under every other strategy.
@@ -163,8 +169,9 @@ class FSDP(Strategy):
             dist.all_reduce(local)
         return local
 
-    def _shard_units(self, model: nn.Module) -> list[nn.Module]:
-        return shard_units(model, self.config.strategy.fsdp)
+    def _shard_groups(self, model: nn.Module) -> list[list[nn.Module]]:
+        opts = self.config.strategy.fsdp
+        return shard_groups(model, opts.wrap, opts.min_params, "strategy.fsdp.wrap")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not self._new_params:
@@ -238,20 +245,10 @@ class FSDP(Strategy):
 def shard_units(model: nn.Module, opts: FSDPConfig, setting: str = "strategy.fsdp.wrap") -> list[nn.Module]:
     """The submodules ``fully_shard`` makes shard units of under ``opts`` (a ``strategy.fsdp``
     section), innermost first; the model itself, wrapped last, is not among them. Public so that
-    ``phalanx plan`` counts the units training will have; ``setting`` names ``opts.wrap`` in errors."""
-    if opts.wrap:
-        # Innermost first, as fully_shard expects when listed classes nest.
-        return submodules_of(model, opts.wrap, setting)
-    # Automatic: deepest first, a submodule whose not-yet-claimed parameters reach min_params.
-    units, claimed = [], set()
-    for module in post_order(model):
-        if module is model:
-            continue
-        own = [p for p in module.parameters() if id(p) not in claimed]
-        if sum(p.numel() for p in own) >= opts.min_params:
-            units.append(module)
-            claimed.update(id(p) for p in own)
-    return units
+    ``phalanx plan`` counts the units training will have; ``setting`` names ``opts.wrap`` in errors.
+    A unit that shares a tied weight with modules elsewhere is sharded together with them
+    (fsdp_units.py); it stands here for its group, whose other modules hold that weight."""
+    return [group[0] for group in shard_groups(model, opts.wrap, opts.min_params, setting)]
 
 
 def _shard_full_tensors(module: nn.Module, state: dict, prefix: str, *_: object) -> None:

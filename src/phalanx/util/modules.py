@@ -1,4 +1,4 @@
-"""Finding a model's submodules by class name, for settings that list classes."""
+"""Walking a model's modules: by class name (for settings that list classes), and who holds each parameter."""
 
 from __future__ import annotations
 
@@ -27,3 +27,13 @@ def submodules_of(model: nn.Module, class_names: list[str], setting: str) -> lis
             f"its module classes are: {', '.join(present)}"
         )
     return found
+
+
+def parameter_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every module that registers each parameter (by id), with the name it has there: a tied
+    weight (an embedding shared with the output layer) has several holders."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in {id(m): m for m in model.modules()}.values():
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(param), []).append((module, name))
+    return holders
