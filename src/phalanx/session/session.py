@@ -209,8 +209,10 @@ class Session:
         return empty_parameters(None if initialize else self.strategy.skip_init)
 
     def load_weights(self, source: Any, model: nn.Module | None = None, *, strict: bool = True) -> None:
-        """Put pretrained weights into a model ``setup()`` returned: ``source`` is a state dict, a
-        ``.safetensors`` or a ``.pt`` file. Rank 0 reads it one tensor at a time and broadcasts each;
+        """Put pretrained weights into a model ``setup()`` returned: ``source`` is a state dict, the path
+        of a ``.safetensors`` or ``.pt`` file, a Hugging Face model directory (``model.safetensors``, or
+        an index and its shards, or ``pytorch_model.bin``), an index file (``*.index.json``), or a list
+        of weight files. Rank 0 reads it one tensor at a time, shard after shard, and broadcasts each;
         every rank keeps its share (its shards, its stage). ``strict=False`` skips missing and
         unexpected keys, as ``load_state_dict`` does; shapes must match either way."""
         self._weights.load(model, source, strict=strict)
