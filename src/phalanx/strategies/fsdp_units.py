@@ -118,9 +118,10 @@ class _Grower:
 
     def _held(self, module: nn.Module, pid: int, holder: nn.Module, attr: str) -> str:
         where = f"{self.tree.names[id(holder)]}.{attr}" if self.tree.names.get(id(holder)) else attr
+        owner = f"{self.tree.name(holder)} ({type(holder).__name__})"
         return (
-            f"{self._unit(module)}, but its {self._param(pid, module)} is also {where}, held by {self.tree.name(holder)} "
-            f"({type(holder).__name__}), which contains the unit, and FSDP shards a tied weight in one unit only; "
+            f"{self._unit(module)}, but its {self._param(pid, module)} is also {where}, held by {owner}, "
+            "which contains the unit, and FSDP shards a tied weight in one unit only; "
             f"take {type(module).__name__} out of the list, or list a class that holds every use of the weight"
         )
 
