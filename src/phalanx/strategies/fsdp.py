@@ -132,7 +132,7 @@ class FSDP(Strategy):
         build = self.materializer(model, in_place=False) if is_deferred(model) else None
         for group in self._shard_groups(model):
             if build is not None:
-                for module in group:  # in the model's order, so a tied weight is written as in one piece
+                for module in group:  # in the model's order: a tie's first holder initialises it, as under ddp
                     build.materialize(module, self.topology.device)
                 build.settle()  # what no initialiser wrote is found while the unit is whole on every rank
             # A tied weight's holders are one group (torch's advice for shared parameters).
