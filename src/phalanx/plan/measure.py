@@ -18,7 +18,8 @@ from torch import nn
 from phalanx._torch_compat import view_base
 from phalanx.errors import PhalanxError
 from phalanx.runtime.recompute import apply_activation_checkpointing
-from phalanx.strategies.fsdp import FSDPConfig, shard_units
+from phalanx.strategies.fsdp import FSDPConfig
+from phalanx.strategies.fsdp_units import shard_groups
 from phalanx.util.tree import map_tensors
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,10 +97,12 @@ def count_shard_units(model: nn.Module, opts: FSDPConfig, setting: str = "strate
     names = {id(m): name for name, m in model.named_modules()}
     claimed: set[int] = set()
     sizes: list[tuple[int, nn.Module]] = []
-    for unit in shard_units(model, opts, setting):
-        own = [p for p in unit.parameters() if id(p) not in claimed]
+    # A group (a unit and the modules that share its tied weights) is one unit: its size counts all of them.
+    for group in shard_groups(model, opts.wrap, opts.min_params, setting):
+        own = [p for member in group for p in member.parameters() if id(p) not in claimed]
+        own = list({id(p): p for p in own}.values())
         claimed.update(id(p) for p in own)
-        sizes.append((sum(p.numel() for p in own), unit))
+        sizes.append((sum(p.numel() for p in own), group[0]))
     sizes.append((sum(p.numel() for p in model.parameters() if id(p) not in claimed), model))
     largest, unit = max(sizes, key=lambda size: size[0])  # the first of equals, innermost
     rule = f"wrap: {', '.join(opts.wrap)}" if opts.wrap else f"automatic, min_params {opts.min_params:,}"

@@ -204,6 +204,7 @@ class Session:
         """Build the model inside this block without memory for its parameters (``with
         session.init_module(): model = build()``): they go on the meta device, and ``setup()``
         materialises only what this rank holds, initialised by each module's ``reset_parameters()``
+        and the model's own init, an HF ``_init_weights`` or a model-level ``init_weights()``
         (docs/session.md, "Models larger than one device"). Buffers are kept as built.
         ``initialize=False``: weights will be loaded (``load_weights``), so none is initialised."""
         return empty_parameters(None if initialize else self.strategy.skip_init)

@@ -45,7 +45,7 @@ class Weights:
 
     def watch(self, wrapped: nn.Module, model: nn.Module) -> None:
         """After ``setup()`` of a deferred ``model``: its first forward is refused while modules
-        without ``reset_parameters()`` hold uninitialised weights that no load filled."""
+        that nothing initialised hold uninitialised weights that no load filled."""
         self._roots[id(wrapped)] = model
         if not self.strategy.uninitialised(model):
             return
