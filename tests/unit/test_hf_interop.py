@@ -6,6 +6,7 @@ from_pretrained loads with no missing or unexpected key, the same weights, the t
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -51,6 +52,32 @@ def test_a_directory_of_another_model_is_one_line(tmp_path):
     session.setup(hf_models.build("gpt2"))
     with pytest.raises(PhalanxError, match=rf"^'{tmp_path / 'hf'}' does not match the model: \d+ keys of the model"):
         session.load_weights(tmp_path / "hf")
+    session.close()
+
+
+def test_an_untied_checkpoint_into_a_tied_model_is_one_line(tmp_path):
+    # An untied Llama's save_pretrained writes its head and its embedding, with different values;
+    # the same Llama built with tie_word_embeddings=True holds one tensor for both.
+    hf_models.pretrained("llama", str(tmp_path / "hf"))
+    untied = hf_models.build("llama")
+    config = copy.deepcopy(untied.config)
+    config.tie_word_embeddings = True
+    tied = transformers.LlamaForCausalLM(config)
+    session = _session("single")
+    model = session.setup(tied)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PhalanxError) as refused:
+        session.load_weights(tmp_path / "hf")
+    assert str(refused.value) == (
+        f"'{tmp_path / 'hf'}' holds model.embed_tokens.weight and lm_head.weight with different values, but the "
+        "model ties them (one tensor); build the model untied (for a Hugging Face model, tie_word_embeddings=False) "
+        "or load weights that hold only one of them"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    session.close()
+    session = _session("single")
+    session.setup(untied)
+    session.load_weights(tmp_path / "hf")  # untied, as the checkpoint is: it loads
     session.close()
 
 

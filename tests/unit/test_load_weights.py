@@ -3,6 +3,8 @@ what does not match the model is one line naming the keys; bad calls are refused
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -136,4 +138,83 @@ def test_the_uninitialised_guard_is_per_model():
         deferred(torch.randn(2, 6))
     session.load_weights({"0.weight": torch.zeros(4, 6), "0.bias": torch.zeros(4), "1.gain": torch.ones(4)}, deferred)
     deferred(torch.randn(2, 6))
+    session.close()
+
+
+def _as_source(kind: str, tmp_path, weights: dict[str, torch.Tensor]):
+    """``weights`` as a source of ``kind``: a state dict, one file, or two shards with an index that
+    put the two names of the tie in different shards (read one after the other)."""
+    if kind == "dict":
+        return weights
+    from safetensors.torch import save_file
+
+    if kind == "pt":
+        torch.save(weights, tmp_path / "w.pt")
+        return str(tmp_path / "w.pt")
+    if kind == "safetensors":
+        save_file({k: v.clone() for k, v in weights.items()}, tmp_path / "w.safetensors")
+        return str(tmp_path / "w.safetensors")
+    first = ["embed.weight", "body.weight"]
+    shards = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": []}
+    shards["model-00002-of-00002.safetensors"] = [k for k in weights if k not in first]
+    for file, names in shards.items():
+        save_file({n: weights[n].clone() for n in names}, tmp_path / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, names in shards.items() for n in names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return str(tmp_path)
+
+
+def _tied_weights(head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    embed = torch.arange(40.0).view(10, 4)
+    return {
+        "embed.weight": embed,
+        "body.weight": torch.eye(4),
+        "body.bias": torch.zeros(4),
+        "head.weight": embed.clone() if head is None else head,
+    }
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", ["dict", "pt", "safetensors", "shards"])
+def test_a_source_with_both_names_of_a_tie_and_different_values_is_refused(kind, strict, tmp_path):
+    session = _session()
+    model = session.setup(TiedLM())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    head = torch.arange(40.0).view(10, 4).flip(0)  # an untied checkpoint: the head learned its own values
+    source = _as_source(kind, tmp_path, _tied_weights(head))
+    name = "the state dict" if kind == "dict" else f"'{source}'"
+    with pytest.raises(PhalanxError) as refused:
+        session.load_weights(source, strict=strict)
+    assert str(refused.value) == (
+        f"{name} holds embed.weight and head.weight with different values, but the model ties them (one tensor); "
+        "build the model untied (for a Hugging Face model, tie_word_embeddings=False) or load weights that hold "
+        "only one of them"
+    )
+    # Refused before anything was loaded: the model is as it was, its tie too.
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.head.weight is model.embed.weight
+    session.close()
+
+
+@pytest.mark.parametrize("kind", ["dict", "pt", "safetensors", "shards"])
+def test_a_source_with_both_names_of_a_tie_and_equal_values_loads(kind, tmp_path):
+    session = _session()
+    model = session.setup(TiedLM())
+    weights = _tied_weights()
+    session.load_weights(_as_source(kind, tmp_path, weights))
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert model.head.weight is model.embed.weight
+    session.close()
+
+
+def test_a_tie_given_twice_compares_as_the_model_holds_it():
+    session = _session()
+    model = session.setup(TiedLM())
+    embed = torch.arange(40.0).view(10, 4)
+    embed[0, 0] = float("nan")  # the same NaN under both names is the same value
+    session.load_weights({**_tied_weights(), "embed.weight": embed, "head.weight": embed.clone()})
+    assert torch.equal(model.embed.weight[1:], embed[1:]) and model.embed.weight[0, 0].isnan()
+    # A bf16 copy equal after the cast into the model's fp32 weights is the same value, too.
+    session.load_weights({**_tied_weights(), "head.weight": _tied_weights()["embed.weight"].bfloat16()})
+    assert torch.equal(model.head.weight, _tied_weights()["embed.weight"])
     session.close()

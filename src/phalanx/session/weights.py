@@ -7,8 +7,9 @@ one shard open at a time, in the files' order) and broadcasts it; each rank copi
 (strategy.put_weight: the whole tensor, its FSDP shard, or nothing for another pipeline stage's
 tensor). So the host memory of a load is about one tensor on each rank, however large the model,
 and the device memory one full tensor on top of what the rank keeps. Every verdict (a file that cannot be read, keys or
-shapes that do not match) is decided on rank 0 and broadcast first, so all ranks raise the same
-one-line error and none is left waiting in a broadcast.
+shapes that do not match, a tied weight the source holds under two names with different values) is
+decided on rank 0 and broadcast first, so all ranks raise the same one-line error, none is left
+waiting in a broadcast, and a load refused by a verdict changes nothing.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class Weights:
             try:
                 reader = _open(source)
                 index = reader.index()
-                verdict = _mismatch(index, groups, strict, _name(source))
+                name = _name(source)
+                verdict = _mismatch(index, groups, strict, name) or _untied(reader, index, groups, name)
             except PhalanxError as err:
                 verdict = str(err)
         if not alone:
@@ -177,8 +179,9 @@ def _name(source: Any) -> str:
 def _in_file_order(groups: list[tuple[list[str], torch.Tensor]], index: dict) -> list[tuple[str, list[str], Any]]:
     """(the name to read, every name of the tensor, its slot) for each tensor the source holds, in
     the source's order: a sharded source is then read shard after shard, each opened once. A tied
-    weight is read once, under the first of its names the source has. Every rank computes the same
-    order (the groups and the broadcast index are the same everywhere)."""
+    weight is read once, under the first of its names the source has (_untied has made sure that
+    its other names there hold the same values). Every rank computes the same order (the groups and
+    the broadcast index are the same everywhere)."""
     position = {name: i for i, name in enumerate(index)}
     found = []
     for names, slot in groups:
@@ -216,8 +219,8 @@ def _aliases(slots: dict[str, torch.Tensor]) -> list[tuple[list[str], torch.Tens
     Face files leave the output layer's out)."""
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, slot in slots.items():
-        key = id(slot) if not slot.is_meta else id(name)  # other stages' placeholders are all distinct
-        groups.setdefault(key, ([], slot))[0].append(name)
+        # Also for another stage's placeholders, which keep its ties (Pipeline.weight_slots).
+        groups.setdefault(id(slot), ([], slot))[0].append(name)
     return list(groups.values())
 
 
@@ -254,6 +257,37 @@ def _mismatch(index: dict, groups: list[tuple[list[str], torch.Tensor]], strict:
         ", or pass strict=False to skip missing and unexpected keys" if strict and not (shapes or kinds) else ""
     )
     return f"{source} does not match the model: {'; '.join(problems)}; {fix}"
+
+
+def _untied(reader: Any, index: dict, groups: list[tuple[list[str], torch.Tensor]], source: str) -> str | None:
+    """The refusal when the source holds several names of one tied tensor with different values:
+    the model holds one tensor, the load reads one of its names (see _in_file_order), and an untied
+    checkpoint would otherwise lose the others' values without a word. Rank 0 reads the names one
+    after the other (the first and one more at a time) before anything is loaded, so a refusal
+    leaves the model as it was; the load then reads the first again, a cost paid only by a source
+    that holds a tie twice (a torch.save of a tied model's state_dict())."""
+    for names, slot in groups:
+        present = [n for n in names if n in index]
+        if len(present) < 2:
+            continue
+        first = reader.read(present[0]).to(slot.dtype)  # as the model would hold it (a no-op when the dtypes agree)
+        for other in present[1:]:
+            if not _same(first, reader.read(other).to(slot.dtype)):
+                return (
+                    f"{source} holds {present[0]} and {other} with different values, but the model ties them "
+                    "(one tensor); build the model untied (for a Hugging Face model, tie_word_embeddings=False) "
+                    "or load weights that hold only one of them"
+                )
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.equal(a, b):
+        return True
+    # torch.equal is False for any NaN; the same NaN under both names is still one value. This
+    # costs a mask of the tensor's size, only for tensors that torch.equal already found unequal.
+    floating = a.is_floating_point() or a.is_complex()
+    return floating and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _some(keys: list[str]) -> str:

@@ -267,11 +267,19 @@ class Pipeline(Strategy):
 
     def weight_slots(self, model: nn.Module) -> dict[str, torch.Tensor]:
         own = {id(unit) for _, unit in self._own_units()}
-        return {
-            f"{name}.{key}": value if id(unit) in own else torch.empty(value.shape, dtype=value.dtype, device="meta")
-            for name, unit in self._units
-            for key, value in unit.state_dict(keep_vars=True).items()
-        }
+        # One placeholder per tensor, not per name: a tie inside another stage's unit stays one
+        # slot, so every rank groups the names as the stage that holds them does (load_weights
+        # walks the same tensors on every rank, in step with rank 0's broadcasts).
+        placeholders: dict[int, torch.Tensor] = {}
+        slots = {}
+        for name, unit in self._units:
+            for key, value in unit.state_dict(keep_vars=True).items():
+                if id(unit) not in own:
+                    if id(value) not in placeholders:
+                        placeholders[id(value)] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+                    value = placeholders[id(value)]
+                slots[f"{name}.{key}"] = value
+        return slots
 
     def load_stage_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False) -> None:
         """Load this stage's entries of ``state`` (keyed by the full model's names; others are ignored)."""
