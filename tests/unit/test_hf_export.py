@@ -7,7 +7,9 @@ line before the checkpoint is read."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -253,6 +255,53 @@ def test_an_export_that_fails_half_way_leaves_no_directory(capsys, tmp_path, che
     _refused(capsys, checkpoints["plain"], previous, "No space left on device", args=small)
     assert (previous / "model.safetensors").read_bytes() == before  # the previous export is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prev"]
+
+
+def _renames_failing(monkeypatch, *failing: int) -> list[tuple[str, str]]:
+    """os.rename raising (as a rename across file systems does) on the ``failing`` calls, counted
+    from 1; returns the calls made."""
+    calls = []
+    rename = os.rename
+
+    def flaky(src, dst, *args, **kwargs):
+        calls.append((Path(src).name, Path(dst).name))
+        if len(calls) in failing:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", flaky)
+    return calls
+
+
+def test_a_previous_export_is_put_back_when_the_new_one_cannot_take_its_place(
+    capsys, tmp_path, checkpoints, monkeypatch
+):
+    out = tmp_path / "hf"
+    _cli(capsys, "--format", "hf", str(checkpoints["plain"]), str(out))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls = _renames_failing(monkeypatch, 2)  # DIR is moved aside, then staging -> DIR fails
+    _refused(capsys, checkpoints["plain"], out, f"cannot write '{out}' (Invalid cross-device link)")
+    old, staging = f".phalanx-export-{os.getpid()}.old", f".phalanx-export-{os.getpid()}.tmp"
+    assert calls == [("hf", old), (staging, "hf"), (old, "hf")]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous export, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_previous_export_that_cannot_be_put_back_is_named(capsys, tmp_path, checkpoints, monkeypatch):
+    out = tmp_path / "hf"
+    _cli(capsys, "--format", "hf", str(checkpoints["plain"]), str(out))
+    before = (out / "model.safetensors").read_bytes()
+    _renames_failing(monkeypatch, 2, 3)
+    old = tmp_path / f".phalanx-export-{os.getpid()}.old"
+    _refused(
+        capsys,
+        checkpoints["plain"],
+        out,
+        f"cannot write '{out}' (Invalid cross-device link), and the previous export could not be put back: it is "
+        f"in '{old}'; rename it to '{out}'",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old.name]  # no DIR, no staging left
+    assert (old / "model.safetensors").read_bytes() == before
 
 
 def test_a_damaged_tie_record_is_one_line(tmp_path, checkpoints):

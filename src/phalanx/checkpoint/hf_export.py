@@ -16,7 +16,9 @@ for a checkpoint without that record under its first name among tensors that are
 The checkpoint is read one shard's tensors at a time, so the memory an export takes is about
 twice the largest shard (the tensors, and safetensors' bytes of them), not the model. Everything
 is written into a directory beside DIR and renamed into place when complete, so a failed export
-leaves no partial DIR (a killed one leaves that directory, named ``.phalanx-export-<pid>.tmp``).
+leaves no partial DIR, and a previous export in DIR as it was. A killed one leaves that directory,
+named ``.phalanx-export-<pid>.tmp``, and, killed between moving a previous export aside and
+renaming the new one into its place, the previous export as ``.phalanx-export-<pid>.old``.
 """
 
 from __future__ import annotations
@@ -176,7 +178,10 @@ def _not_an_export(directory: Path) -> str | None:
 @contextlib.contextmanager
 def _staging(out: Path) -> Iterator[Path]:
     """A directory beside ``out`` to write into, renamed to ``out`` when the block ends (a previous
-    export there is replaced), removed when it fails."""
+    export there is replaced), removed when it fails. A previous export is moved aside (to
+    ``.phalanx-export-<pid>.old``) for the moment between the two renames, and put back if the
+    second fails, so a failed export leaves it in place; only a kill in that moment leaves it
+    aside (docs/checkpoints.md says what to do then)."""
     staging = out.absolute().parent / f".phalanx-export-{os.getpid()}.tmp"
     old = staging.with_suffix(".old")
     done = False
@@ -188,21 +193,41 @@ def _staging(out: Path) -> Iterator[Path]:
         files.fsync_tree(staging)
         if out.exists():
             os.rename(out, old)
-            os.rename(staging, out)
+            try:
+                os.rename(staging, out)
+            except OSError as err:
+                _put_back(old, out, err)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(staging, out)
         _fsync_directory(out.absolute().parent)  # the renames are only as durable as the parent's entries
         done = True
     except (OSError, RuntimeError, SafetensorError) as err:
-        lines = str(err).strip().splitlines() or [type(err).__name__]
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
         raise PhalanxError(
-            f"cannot write '{out}' ({reason}); choose an output directory on a writable disk with enough free space"
+            f"cannot write '{out}' ({_reason(err)}); choose an output directory on a writable disk with enough free "
+            "space"
         ) from None
     finally:
         if not done:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _put_back(old: Path, out: Path, err: OSError) -> None:
+    """The previous export, moved to ``old``, renamed back to ``out`` after the new one could not
+    take its place (``err``); where that fails too, the line says where it is."""
+    try:
+        os.rename(old, out)
+    except OSError:
+        raise PhalanxError(
+            f"cannot write '{out}' ({_reason(err)}), and the previous export could not be put back: it is in "
+            f"'{old}'; rename it to '{out}'"
+        ) from None
+
+
+def _reason(err: Exception) -> str:
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    return err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
 
 
 def _fsync_directory(path: Path) -> None:
