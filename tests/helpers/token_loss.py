@@ -84,11 +84,13 @@ def train(
     ckpt: str | None = None,
     save_at: int | None = None,
     resume: str | None = None,
+    sizes: bool = False,
 ) -> dict[str, Any]:
     """``weighted``: ``session.backward(loss, items=n)``; otherwise the plain contract. ``uniform``:
     sequences of one length; ``noise``: the gradient noise scale is estimated at every step;
     ``save_at``: a checkpoint into ``ckpt`` after that step (training goes on); ``resume``: the
-    checkpoint to go on from."""
+    checkpoint to go on from; ``sizes``: the norm of each gradient as backward computes it (before
+    any averaging or rescaling), in ``"sizes"``."""
     measure = {"noise_scale": "hook", "noise_scale_every": 1, "noise_scale_smoothing": 0.9} if noise else {}
     session = Session(
         Config(),
@@ -98,6 +100,10 @@ def train(
         checkpoint={"dir": ckpt or "checkpoints", "resume": "never"},
     )
     model = TinyLM()
+    seen: list[float] = []
+    if sizes:
+        for p in model.parameters():
+            p.register_hook(lambda g: seen.append(g.norm().item()))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = session.setup(model, opt)
     loader = session.setup_loader(
@@ -106,7 +112,7 @@ def train(
     )
     if resume is not None:
         session.load(resume)
-    losses, reduced, saved = [], [], None
+    losses, reduced, units, saved = [], [], [], None
     for batch in loader:
         with session.accumulate(model):
             loss, items = token_loss(model, batch)
@@ -115,6 +121,7 @@ def train(
                 reduced.append(session.reduce(loss.detach(), items=items))
         if session.sync_gradients:
             losses.append(session._loss_value())
+            units.append(session._items.unit)  # the scale of this step's backwards
             if session.step_count == save_at:
                 saved = str(session.save())
     state = {k: v.detach().cpu() for k, v in session.model_state_dict().items()}
@@ -125,7 +132,8 @@ def train(
         "accumulation": session.accumulation_steps,
         "steps": session.step_count,
         "noise_scale": session.noise.value,
-        "unit": session._items.unit,
+        "units": units,
+        "sizes": seen,
         "saved": saved,
     }
     session.close()

@@ -4,6 +4,8 @@ and without accumulation; the plain contract (a mean of each micro-batch's means
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 import phalanx
@@ -55,3 +57,17 @@ def test_the_noise_scale_reads_item_weighted_gradients_as_means(micro):
     assert weighted["noise_scale"] is not None
     assert weighted["noise_scale"] == pytest.approx(plain["noise_scale"], rel=1e-4)
     assert rel_diff(weighted["state"], plain["state"]) < 1e-5
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_gradients_in_flight_keep_the_size_of_the_plain_contract():
+    # What fp16 loss scaling and a compressed all-reduce (strategy.ddp.comm_hook fp16) see: each
+    # rank's gradient before it is averaged and rescaled. A micro-step's weight is its share of the
+    # tokens, so one of 2 tokens is far below the plain size and one of 24 above; in the median the
+    # two are within a factor 2 (a unit scaled by the process count halves it at 2 processes).
+    weighted = _spawn("ddp", 2, True, sizes=True)
+    plain = _spawn("ddp", 2, False, sizes=True)
+    for w, p in zip(weighted, plain):
+        ratios = [a / b for a, b in zip(w["sizes"], p["sizes"])]
+        assert len(ratios) == tl.STEPS * 2 * 5  # 2 micro-steps of 5 parameters' gradients per step
+        assert 0.5 <= statistics.median(ratios) <= 2, statistics.median(ratios)

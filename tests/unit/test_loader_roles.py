@@ -94,3 +94,51 @@ def test_evaluating_in_the_middle_of_training_is_not_refused():
             session.backward(loss)
     assert session.step_count == 4
     session.close()
+
+
+def test_a_validation_batch_drawn_from_a_kept_iterator_before_the_backward_is_not_refused():
+    session = _session(micro_batch_size=4)
+    model = torch.nn.Linear(4, 1)
+    model, _, train, evaluation = session.setup(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(), 8, shuffle=True), DataLoader(_data(), 2)
+    )
+    kept = iter(evaluation)
+    for x, y in train:
+        loss = F.mse_loss(model(x), y)
+        with torch.no_grad():
+            model(next(kept)[0])  # its pass stays open, and it handed out the last batch
+        with session.accumulate(model):
+            session.backward(loss)
+    assert session.step_count == 4
+    session.close()
+
+
+def test_an_explicit_evaluation_loader_is_named_as_such_in_the_refusal():
+    session = _session(global_batch_size=8)
+    model = torch.nn.Linear(4, 1)
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    evaluation = session.setup_loader(DataLoader(_data(), 16, shuffle=True), train=False)
+    with pytest.raises(PhalanxError, match=r"set up with session.setup_loader\(loader, train=False\)\)"):
+        for x, y in evaluation:
+            session.backward(F.mse_loss(model(x), y))
+    session.close()
+
+
+def test_a_training_loader_after_the_ordered_rule_chose_one_is_refused():
+    session = _session(micro_batch_size=4)
+    model = torch.nn.Linear(4, 1)
+    session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(), 8))
+    with pytest.raises(PhalanxError, match=r"a training loader is set up after setup\(\) took an ordered"):
+        session.setup(DataLoader(_data(), 8, shuffle=True))
+    session.close()
+
+
+def test_training_on_other_data_than_the_loader_the_ordered_rule_chose_is_refused():
+    # A nanoGPT-style loop: batches of its own, and the ordered loader given with the optimizer evaluates.
+    session = _session(global_batch_size=8)
+    model = torch.nn.Linear(4, 1)
+    model, _, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(), 8))
+    x, y = _data(8).tensors
+    with pytest.raises(PhalanxError, match=r"came without a batch of the loader setup\(\) took as the training"):
+        session.backward(F.mse_loss(model(x), y))
+    session.close()

@@ -82,12 +82,45 @@ def test_a_window_that_mixes_weighted_and_plain_backwards_is_refused():
     session.close()
 
 
-def test_a_global_batch_without_items_is_refused():
+def test_a_global_batch_without_items_is_refused_at_the_next_backward(capsys):
     session, model = _session()
-    with pytest.raises(PhalanxError, match="add up to 0 over the global batch"):
+    with session.accumulate(model):  # no item: the step gets no gradient, and is not read back here
+        session.backward(model(torch.ones(4, 3)).mean(), items=torch.tensor(0))
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(PhalanxError, match="added up to 0 over the last global batch"):
         with session.accumulate(model):
-            session.backward(model(torch.ones(4, 3)).mean(), items=torch.tensor(0))
+            session.backward(model(torch.ones(4, 3)).mean(), items=4)
+    with session.accumulate(model):  # the run's last window: said when the Session closes
+        session.backward(model(torch.ones(4, 3)).mean(), items=torch.tensor(-1))
     session.close()
+    assert "negative count on 1 micro-step(s)" in capsys.readouterr().out
+
+
+def test_a_second_weighted_backward_after_the_synchronising_one_is_refused():
+    session, model = _session()
+    with pytest.raises(PhalanxError, match="came again after the backward that synchronised"):
+        with session.accumulate(model):
+            session.backward(model(torch.ones(4, 3)).mean(), items=3)
+            session.backward(model(torch.ones(4, 3)).mean(), items=5)
+    session.close()
+
+
+def test_gradients_keep_the_size_they_have_under_the_plain_contract():
+    # A rank's gradient before the step's rescaling: what fp16 scaling and compressed all-reduces see.
+    sizes = {}
+    for weighted in (True, False):
+        session, model = _session(micro_batch_size=2)
+        seen = []
+        for p in model.parameters():
+            p.register_hook(lambda g, seen=seen: seen.append(g.norm().item()))
+        for _ in range(3):
+            for _ in range(2):
+                with session.accumulate(model):
+                    session.backward(model(torch.ones(2, 3)).pow(2).mean(), items=2 if weighted else None)
+        sizes[weighted] = seen
+        session.close()
+    for weighted, plain in zip(sizes[True], sizes[False]):
+        assert 0.5 <= weighted / plain <= 2  # a power of two near the plain size, at every step
 
 
 def test_reduce_weights_by_items_only_a_mean():
@@ -122,8 +155,24 @@ def test_pipeline_refuses_items_in_one_line():
 def test_a_resumed_weighted_run_equals_an_uninterrupted_one(tmp_path):
     whole = tl.train("single", 2, True, steps=8, ckpt=str(tmp_path / "a"), save_at=1)
     resumed = tl.train("single", 2, True, steps=8, ckpt=str(tmp_path / "b"), resume=whole["saved"])
-    # The resumed run scales its backwards by a unit of its own (its first micro-batch's tokens):
-    # a power of two, so the weights still agree bit for bit.
-    assert resumed["unit"] != whole["unit"]
+    # The resumed run scales its first backwards by a unit of its own (from its first micro-batch's
+    # tokens, where the whole run's comes from step 0's count): a power of two, so the weights still
+    # agree bit for bit.
+    assert resumed["units"][0] != whole["units"][1]
     for key, value in whole["state"].items():
         assert torch.equal(value, resumed["state"][key]), key
+
+
+def test_a_micro_batch_without_items_counts_for_nothing_in_the_reported_loss():
+    # F.cross_entropy over only padding: a NaN mean, with zero gradients.
+    session, model = _session(micro_batch_size=2)
+    with session.accumulate(model):
+        empty = model(torch.ones(2, 3)).mean() * 0 + float("nan")
+        session.backward(empty, items=0)
+    with session.accumulate(model):
+        loss = model(torch.ones(2, 3)).mean()
+        session.backward(loss, items=2)
+    assert session.step_count == 1
+    assert session._loss_value() == pytest.approx(loss.item())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    session.close()

@@ -5,12 +5,14 @@ micro-steps and ranks (phalanx's plain contract) weights a token of a short micr
 one of a long micro-batch, so the step is not the mean over the global batch's tokens that one
 process with the whole global batch computes. With ``items`` phalanx makes it that mean:
 
-- each micro-step back-propagates ``loss * n / unit``: its sum over items, divided by a constant
-  ``unit`` (a power of two near the items of a whole global batch, agreed once per run) only so
-  that gradients keep the size they have under the plain contract, which fp16 loss scaling expects;
+- each micro-step back-propagates ``loss * n / unit``: its sum over items, divided by ``unit``, a
+  power of two near one rank's items per window (agreed at the first window, then taken from the
+  last global batch's count, which every rank knows), only so that gradients keep the size they
+  have under the plain contract, which fp16 loss scaling and compressed all-reduces expect;
 - on the synchronising micro-step, the item count and the loss sum of the window are all-reduced
   over the data-parallel ranks in one collective, started before that backward and awaited after
-  it, so it overlaps the gradients' own reduction;
+  it, so it overlaps the gradients' own reduction (nothing is read back to the host in the step:
+  the counts are checked at the next window);
 - the averaged gradients (each rank's sum / dp) are then multiplied by ``dp * unit / N``, N the
   global batch's items: the mean over every item. That is before clipping, before the gradient
   noise scale reads them, and before a script without an optimizer updates with them.
@@ -31,7 +33,7 @@ from phalanx.errors import PhalanxError
 
 
 def check_items(items: Any) -> None:
-    """Refuse what cannot be an item count, in one line (a tensor's value is checked at the step)."""
+    """Refuse what cannot be an item count, in one line (a tensor's value is checked a window later)."""
     if isinstance(items, torch.Tensor):
         if items.numel() != 1 or items.is_complex() or items.dtype == torch.bool:
             raise PhalanxError(
@@ -62,15 +64,27 @@ class ItemWeighting:
         self.unit: float | None = None
         self.weighted: bool | None = None  # this window's backwards give items (None: none yet)
         self._local: list[tuple[Any, torch.Tensor]] = []  # (items, detached loss) per micro-step
-        self._pending: Any = None  # the in-flight all-reduce of (items, loss sum)
+        self._pending: Any = None  # the in-flight all-reduce of (items, loss sum, negative counts)
         self._totals: torch.Tensor | None = None
+        self._finished = False  # this window's gradients are rescaled already
+        # The last window's global totals, on their way to the host (read at the next window).
+        self._previous: tuple[torch.Tensor, Any] | None = None
 
     def begin(self, weighted: bool) -> None:
-        """Before each backward of a window: all of its backwards give items, or none."""
-        if self.weighted is not None and self.weighted != weighted:
+        """Before each backward of a window: all of its backwards give items, or none, and none
+        comes after the one that rescaled the window's gradients."""
+        if self.weighted is None:
+            self._check_previous()
+        elif self.weighted != weighted:
             raise PhalanxError(
                 "session.backward() got items= on some micro-steps of an accumulation window and not on others; "
                 "pass items on every backward (a count of what each loss averages over) or on none"
+            )
+        if self._finished:
+            raise PhalanxError(
+                "session.backward(loss, items=n) came again after the backward that synchronised this global "
+                "batch (its gradients are already averaged over its items); call it once per micro-step, with the "
+                "losses combined first: (loss_a * n_a + loss_b * n_b) / (n_a + n_b) and items=n_a + n_b"
             )
         self.weighted = weighted
 
@@ -78,61 +92,105 @@ class ItemWeighting:
         """What this micro-step back-propagates: its loss summed over its items, over ``unit``."""
         check_items(items)
         if self.unit is None:
-            self.unit = self._choose_unit(float(items), accumulation_steps)
+            self.unit = self._first_unit(float(items), accumulation_steps)
         count = items.detach().to(loss.device, torch.float32) if isinstance(items, torch.Tensor) else float(items)
         self._local.append((count, loss.detach()))
         return loss * (count / self.unit)
 
-    def _choose_unit(self, items: float, accumulation_steps: int) -> float:
-        # The same on every rank (the ranks' gradients are averaged as they are), once per run: the
-        # largest first count, times the window's backwards, rounded to a power of two, so that
-        # dividing by it is exact and a resumed run that picks another one trains bit for bit alike.
+    def _first_unit(self, items: float, accumulation_steps: int) -> float:
+        # The same on every rank (the ranks' gradients are averaged as they are): the largest first
+        # count times the window's backwards, about a rank's items per window, so that a rank's
+        # gradient is about the mean it is under the plain contract. A power of two, so dividing by
+        # it is exact and a run that picks another one (a resumed run) trains bit for bit alike.
         largest = torch.tensor([max(items, 1.0)], dtype=torch.float64, device=self.comm_device)
         if self.collective:
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        return 2.0 ** round(math.log2(float(largest) * accumulation_steps * self.dp))
+        return _power_of_two(float(largest) * accumulation_steps)
 
     def start_reduce(self) -> None:
-        """On the synchronising micro-step, before its backward: the window's items and loss sum,
-        all-reduced over the data-parallel ranks without waiting."""
-        counts = [torch.as_tensor(c, dtype=torch.float64, device=self.comm_device) for c, _ in self._local]
-        sums = [(loss.double() * c).to(self.comm_device) for c, loss in self._local]
-        totals = torch.stack([torch.stack(counts).sum(), torch.stack(sums).sum()])
+        """On the synchronising micro-step, before its backward: the window's items, loss sum and
+        negative counts, all-reduced over the data-parallel ranks without waiting."""
+        counts = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=self.comm_device) for c, _ in self._local])
+        # A micro-batch without items has a loss of NaN (a mean over nothing) that counts for nothing.
+        sums = torch.stack(
+            [
+                torch.where(torch.as_tensor(c) > 0, loss.double() * c, 0.0).to(self.comm_device)
+                for c, loss in self._local
+            ]
+        )
+        totals = torch.stack([counts.sum(), sums.sum(), (counts < 0).sum().double()])
         self._totals = totals
         self._pending = dist.all_reduce(totals, async_op=True) if self.collective else None
 
     def finish(self, models: list[nn.Module]) -> torch.Tensor:
         """After the synchronising backward: rescale the models' gradients to the mean over every
         item of the global batch; returns that mean of the loss (the one the progress bar and the
-        metrics show). Refuses a global batch without items."""
+        metrics show). Nothing is read back to the host here: a window whose items add up to 0 gets
+        a factor of 0 and is refused at the next backward (or when the Session closes)."""
         if self._pending is not None:
             self._pending.wait()
         totals, self._pending = self._totals, None
+        self._finished = True
         count = totals[0]
-        if not bool(torch.isfinite(count)) or float(count) <= 0:
-            raise PhalanxError(
-                f"the items given to session.backward(loss, items=n) add up to {float(count):g} over the global "
-                "batch; a token-weighted step needs at least one item (check that not every label is padding, "
-                "e.g. -100), and n must be finite"
-            )
-        factor = (self.dp * self.unit / count).to(torch.float32)
+        factor = torch.where(count > 0, self.dp * self.unit / count, 0.0).to(torch.float32)
         grads = [p.grad for model in models for p in model.parameters() if p.grad is not None]
-        locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         by_device: dict[tuple, list[torch.Tensor]] = {}
-        for g in locals_:
-            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g  # an fsdp shard is multiplied in place
+            by_device.setdefault((local.device, local.dtype), []).append(local)
         for (device, _), group in by_device.items():
             scale_tensors(group, factor.to(device))
+        self._stash(totals)
         return (totals[1] / count).float()
 
-    def mean_factor(self, whole_window: bool) -> float:
+    def _stash(self, totals: torch.Tensor) -> None:
+        # Read at the next window, when the copy has long arrived: no wait for the device in the step.
+        if totals.device.type == "cuda":
+            host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
+            host.copy_(totals, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._previous = (host, done)
+        else:
+            self._previous = (totals.clone(), None)
+
+    def _check_previous(self) -> None:
+        """The last window's totals: refuse what made its step wrong, and size this window's unit."""
+        problem = self._previous_problem()
+        if problem:
+            raise PhalanxError(problem)
+
+    def _previous_problem(self) -> str | None:
+        if self._previous is None:
+            return None
+        host, done = self._previous
+        self._previous = None
+        if done is not None:
+            done.synchronize()
+        count, negative = float(host[0]), float(host[2])
+        if negative:
+            return (
+                f"session.backward(loss, items=n) got a negative count on {negative:.0f} micro-step(s) of the last "
+                "global batch; n counts the items the loss averages over, e.g. (labels != -100).sum()"
+            )
+        if not math.isfinite(count) or count <= 0:
+            return (
+                f"the items given to session.backward(loss, items=n) added up to {count:g} over the last global "
+                "batch, so its step had no gradient; a token-weighted step needs at least one item (check that "
+                "not every label is padding, e.g. -100), and n must be finite"
+            )
+        # A rank's share of the last global batch: gradients keep their size as the batch grows.
+        self.unit = _power_of_two(count / self.dp)
+        return None
+
+    def mean_factor(self, whole_window: bool) -> float | None:
         """What turns the gradients now held into a mean over their items, for the gradient noise
         scale: after the window's first backward alone, or (``whole_window``) this rank's whole
-        window before the ranks' gradients are averaged. Reads counts from the device: only on the
-        steps that estimate."""
+        window before the ranks' gradients are averaged; None where they hold no item. Reads counts
+        from the device: only on the steps that estimate."""
         counts = self._local if whole_window else self._local[:1]
         total = sum(float(c) for c, _ in counts)
-        return self.unit / total if total > 0 else math.nan
+        return self.unit / total if total > 0 else None
 
     def reset(self) -> None:
         """At the end of each window (a step, or a window dropped at the epoch's end)."""
@@ -140,6 +198,22 @@ class ItemWeighting:
         self._local = []
         self._pending = None
         self._totals = None
+        self._finished = False
+
+    def close(self) -> str | None:
+        """What was wrong with the run's last window, if anything (there is no next one to refuse)."""
+        return self._previous_problem()
+
+
+def _weighted(loss: torch.Tensor, count: Any) -> torch.Tensor:
+    """``loss * count`` in float64, 0 without items: their loss is a mean over nothing (NaN)."""
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, loss.double() * count, 0.0)
+    return loss.double() * count if count > 0 else torch.zeros((), dtype=torch.float64, device=loss.device)
+
+
+def _power_of_two(value: float) -> float:
+    return 2.0 ** max(0, round(math.log2(max(value, 1.0))))
 
 
 def weighted_mean(value: Any, items: Any, *, data_parallel_size: int, comm_device: torch.device) -> Any:
@@ -156,7 +230,7 @@ def weighted_mean(value: Any, items: Any, *, data_parallel_size: int, comm_devic
     mean = torch.as_tensor(value.detach() if not as_number else value, dtype=torch.float64).to(comm_device)
     count = torch.as_tensor(items.detach() if isinstance(items, torch.Tensor) else items, dtype=torch.float64)
     count = count.to(comm_device).reshape(())
-    pair = torch.stack([mean.reshape(()) * count, count])
+    pair = torch.stack([torch.where(count > 0, mean.reshape(()) * count, 0.0), count])  # NaN: a mean over nothing
     if data_parallel_size > 1:
         dist.all_reduce(pair)
     if float(pair[1]) <= 0:

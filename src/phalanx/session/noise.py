@@ -97,14 +97,15 @@ class NoiseProbe:
         accumulation: int,
         sync: bool,
         scaler: Any,
-        mean_factor: Callable[[bool], float] | None = None,
+        mean_factor: Callable[[bool], float | None] | None = None,
     ) -> None:
         """``first``: the step's first forward, over ``joined`` micro-batches (batch.adaptive joins
         them) of the step's ``accumulation``; ``scaler``: fp16's GradScaler (gradients are scaled
         until the step) or None. The Session keeps an estimating step's first forward to one
         micro-batch (wants_one_micro_batch_first), so the small batch is the plan's micro-batch.
         ``mean_factor``: with token-weighted losses (session/items.py), what turns the gradients
-        held after the first backward (False) or a rank's whole window (True) into a mean."""
+        held after the first backward (False) or a rank's whole window (True) into a mean (None:
+        they hold no item, so that rank gives no small-batch estimate this step)."""
         if not self.measuring(step):
             return
         scale = float(scaler.get_scale()) if scaler is not None else 1.0
@@ -112,7 +113,8 @@ class NoiseProbe:
             # The loss was divided by the accumulation steps (or weighted by its items): the
             # micro-batch's own mean gradient is the accumulated one times that.
             factor = mean_factor(False) if mean_factor is not None else accumulation
-            self._small = self.strategy.gradient_sq(self._models) * (factor / scale) ** 2
+            # No estimate from a micro-batch without items (factor None).
+            self._small = self.strategy.gradient_sq(self._models) * (factor / scale) ** 2 if factor else None
         if not sync:
             return
         if self._source == "comm hook":
@@ -120,7 +122,7 @@ class NoiseProbe:
             local = norms.take() if norms is not None else None
             # DDP's buckets hold the micro-steps' sum (each loss divided by the steps): the mean.
             factor = mean_factor(True) if mean_factor is not None and local is not None else 1.0
-            self._small = local * (factor / scale) ** 2 if local is not None else None
+            self._small = local * (factor / scale) ** 2 if local is not None and factor else None
         small, self._small = self._small, None
         big = self.strategy.gradient_sq(self._models) / scale**2
         if self.topology.world_size > 1:

@@ -40,7 +40,7 @@ from phalanx.errors import PhalanxError
 from phalanx.faults.lifeline import watch_launcher
 from phalanx.metrics.recorder import create_recorder
 from phalanx.runtime.compute import Compute
-from phalanx.runtime.data import DeviceLoader, loader_roles, shard_loader, shuffles
+from phalanx.runtime.data import DeviceLoader, shard_loader, shuffles
 from phalanx.runtime.lr import LRScaling
 from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.runtime.precision import Precision
@@ -55,6 +55,7 @@ from phalanx.session.gradients import GradientKeeping
 from phalanx.session.guards import PortingGuards
 from phalanx.session.items import ItemWeighting, weighted_mean
 from phalanx.session.limit import StepLimit
+from phalanx.session.loader_roles import LoaderRoles
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
@@ -115,6 +116,7 @@ class Session:
         )
         self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
+        self._roles = LoaderRoles(self.print)  # which loaders train, and the refusals of a wrong guess
         self._active_loader: DeviceLoader | None = None
         self._closed = False
         self._set_up = False
@@ -236,12 +238,13 @@ class Session:
             range(len(objects)), key=lambda i: next((p for t, p in priority.items() if isinstance(objects[i], t)), 2)
         )
         out: list[Any] = [None] * len(objects)
-        roles = self._loader_roles(objects)
+        roles = self._roles.classify(objects, self._loaders)
+        given = {i: shuffles(obj) for i, obj in enumerate(objects) if isinstance(obj, DataLoader)}
         capped = self._memory_cap is not None and self.step_count == 0
         if capped:
             self._memory_cap.begin_setup()
         for i in order:
-            out[i] = self._setup_one(objects[i], roles.get(i, False))
+            out[i] = self._setup_one(objects[i], roles.get(i, False), implicit=roles.get(i, False) != given.get(i))
         self._batch.finish_setup()
         if not self._seeded and self._models:
             # Every rank built the same initial weights from the same seed; from here on ranks
@@ -258,26 +261,9 @@ class Session:
             self._memory_cap.start()  # what training adds counts, not what the script loaded before
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _loader_roles(self, objects: tuple) -> dict[int, bool]:
-        """Which DataLoaders of one setup() call train (runtime/data.loader_roles), by position."""
-        places = [i for i, obj in enumerate(objects) if isinstance(obj, DataLoader)]
-        given = [shuffles(objects[i]) for i in places]
-        roles = loader_roles(
-            given,
-            with_optimizer=any(isinstance(obj, torch.optim.Optimizer) for obj in objects),
-            training_set_up=any(loader.train for loader in self._loaders),
-        )
-        if roles != given:
-            self.print(
-                "phalanx: the DataLoader given to setup() does not shuffle; it is taken as the training loader "
-                "(the first loader of a setup() call with an optimizer, where none shuffles); to evaluate with it, "
-                "set it up with session.setup_loader(loader, train=False)"
-            )
-        return dict(zip(places, roles))
-
-    def _setup_one(self, obj: Any, train: bool) -> Any:
+    def _setup_one(self, obj: Any, train: bool, implicit: bool = False) -> Any:
         if isinstance(obj, DataLoader):
-            return self._setup_loader(obj, train=train)
+            return self._setup_loader(obj, train=train, implicit=implicit)
         if isinstance(obj, nn.Module):
             return self._setup_model(obj)
         if isinstance(obj, torch.optim.Optimizer):
@@ -303,12 +289,15 @@ class Session:
                     "or drop fixed_layout (an evaluation loader's batches never change the training)"
                 )
             self._batch.fix_layout("setup_loader(..., fixed_layout=True)")
-        wrapped = self._setup_loader(loader, train=train)
+        wrapped = self._setup_loader(loader, train=train, explicit=True)
         if self._set_up:
             self._announce()  # the plan may be new: tune and bench read it from session.json
         return wrapped
 
-    def _setup_loader(self, loader: DataLoader, *, train: bool) -> DeviceLoader:
+    def _setup_loader(
+        self, loader: DataLoader, *, train: bool, implicit: bool = False, explicit: bool = False
+    ) -> DeviceLoader:
+        self._roles.before_setup(train)
         dp = self.strategy.data_parallel_size
         if train:
             plan = self._batch.plan_loader(loader.batch_size)
@@ -342,6 +331,7 @@ class Session:
             self.state.add_loader(wrapped)
             wrapped.stop_when = self._step_limit.reached
         self._loaders.append(wrapped)
+        self._roles.taken(wrapped, implicit=implicit, explicit=explicit)
         return wrapped
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -496,7 +486,7 @@ class Session:
                 f"strategy {self.strategy.name} cannot weight the loss by items: "
                 + self.strategy.advice.get("items", "drop items= (each micro-batch's loss then counts alike)")
             )
-        self._refuse_evaluation_batches()
+        self._roles.check_backward()
         self._items.begin(weighted)
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
@@ -517,17 +507,6 @@ class Session:
         self._gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self._memory_cap is not None:
             self._memory_cap.check()
-
-    def _refuse_evaluation_batches(self) -> None:
-        # The loader that handed out the last batch evaluates, and its pass is still going: this
-        # backward trains on evaluation batches, whose size is per process, not the plan's.
-        loader = self._active_loader
-        if loader is not None and not loader.train and loader.passing:
-            raise PhalanxError(
-                "session.backward() got a loss from an evaluation loader's batch (setup() took the DataLoader for "
-                "evaluation: it does not shuffle); set it up for training with "
-                "session.setup_loader(loader, train=True), or build it with shuffle=True"
-            )
 
     def clip_grad_norm_(self, max_norm: float, model: nn.Module | None = None) -> torch.Tensor | None:
         """Clip the global gradient norm; returns it. Does nothing (returns None) on micro-steps
@@ -592,6 +571,7 @@ class Session:
             self.state.micro = 0
             self._unscaled = False
             self._items.reset()
+            self._roles.window_done()
         if self._memory_cap is not None:
             self._memory_cap.check()  # the optimizer's state appears at its first step
         if stepped:
@@ -607,6 +587,7 @@ class Session:
         )
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
         self._items.reset()
+        self._roles.window_done()
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
         self._gradients.after_step()
@@ -624,6 +605,7 @@ class Session:
     # -- across processes ---------------------------------------------------------------------
     def _on_batch(self, loader: DeviceLoader) -> None:
         self._active_loader = loader
+        self._roles.on_batch(loader)
         if loader.group is not None:  # only a training loader's batches are joined; evaluation's never count
             self._joined_batch = loader.last_group
         self._recovery.beat()
@@ -720,6 +702,9 @@ class Session:
         """Leave the process group; ``sync`` waits for every rank first (see Strategy.teardown)."""
         if not self._closed:
             self._closed = True
+            problem = self._items.close()
+            if problem:
+                self.print(f"phalanx: {problem}")
             for loader in self._loaders:
                 loader.close()
             self.metrics.close()
