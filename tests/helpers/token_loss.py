@@ -21,12 +21,16 @@ GLOBAL_BATCH, STEPS, LR = 8, 16, 0.5
 class Sequences(Dataset):
     """Sequences of 1..LENGTH tokens, padded to LENGTH; lengths vary a lot, so means of means differ."""
 
-    def __init__(self, n: int, seed: int = 0, uniform: bool = False):
+    def __init__(self, n: int, seed: int = 0, uniform: bool = False, empty: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, VOCAB, (n, LENGTH + 1), generator=g)
         self.lengths = torch.randint(1, LENGTH + 1, (n,), generator=g)
         if uniform:  # every sequence as long: a mean of means is then the mean over tokens
             self.lengths.fill_(LENGTH // 2)
+        # The first ``empty`` sequences of every global batch are all padding: with an ordered loader,
+        # rank 0's share (2 processes, empty = GLOBAL_BATCH // 2) has no token at all.
+        for start in range(0, n, GLOBAL_BATCH):
+            self.lengths[start : start + empty] = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -58,16 +62,18 @@ def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.
     return loss, (labels != -100).sum()
 
 
-def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+def reference(steps: int = STEPS, *, clip: float | None = None, empty: int = 0) -> dict[str, torch.Tensor]:
     """One process, one micro-batch per global batch: the mean over the global batch's tokens."""
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = DataLoader(Sequences(GLOBAL_BATCH * steps), batch_size=GLOBAL_BATCH, shuffle=False)
+    loader = DataLoader(Sequences(GLOBAL_BATCH * steps, empty=empty), batch_size=GLOBAL_BATCH, shuffle=False)
     losses = []
     for batch in loader:
         loss, _ = token_loss(model, batch)
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return {"state": model.state_dict(), "losses": losses}
@@ -85,16 +91,26 @@ def train(
     save_at: int | None = None,
     resume: str | None = None,
     sizes: bool = False,
+    clip: float | None = None,
+    comm_hook: str | None = None,
+    manual: bool = False,
+    empty: int = 0,
 ) -> dict[str, Any]:
     """``weighted``: ``session.backward(loss, items=n)``; otherwise the plain contract. ``uniform``:
     sequences of one length; ``noise``: the gradient noise scale is estimated at every step;
     ``save_at``: a checkpoint into ``ckpt`` after that step (training goes on); ``resume``: the
     checkpoint to go on from; ``sizes``: the norm of each gradient as backward computes it (before
-    any averaging or rescaling), in ``"sizes"``."""
+    any averaging or rescaling), in ``"sizes"``; ``clip``: optim.max_grad_norm; ``comm_hook``:
+    strategy.ddp.comm_hook; ``manual``: no optimizer, the loop updates the weights itself;
+    ``empty``: sequences of every global batch that are all padding (see Sequences)."""
     measure = {"noise_scale": "hook", "noise_scale_every": 1, "noise_scale_smoothing": 0.9} if noise else {}
+    settings: dict[str, Any] = {"name": strategy}
+    if comm_hook is not None:
+        settings["ddp"] = {"comm_hook": comm_hook}
     session = Session(
         Config(),
-        strategy=strategy,
+        strategy=settings,
+        optim={"max_grad_norm": clip},
         batch={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro},
         train={"progress": False, "metrics": False, "seed": 0, **measure},
         checkpoint={"dir": ckpt or "checkpoints", "resume": "never"},
@@ -104,10 +120,14 @@ def train(
     if sizes:
         for p in model.parameters():
             p.register_hook(lambda g: seen.append(g.norm().item()))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    model, opt = session.setup(model, opt)
+    if manual:
+        model = session.setup(model)
+    else:
+        model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
     loader = session.setup_loader(
-        DataLoader(Sequences(GLOBAL_BATCH * steps, uniform=uniform), batch_size=GLOBAL_BATCH, shuffle=False),
+        DataLoader(
+            Sequences(GLOBAL_BATCH * steps, uniform=uniform, empty=empty), batch_size=GLOBAL_BATCH, shuffle=False
+        ),
         train=True,
     )
     if resume is not None:
@@ -118,7 +138,11 @@ def train(
             loss, items = token_loss(model, batch)
             session.backward(loss, items=items if weighted else None)
             if session.sync_gradients:
-                reduced.append(session.reduce(loss.detach(), items=items))
+                reduced.append(session.reduce(loss.detach(), items=items))  # NaN without tokens: weighs 0
+                if manual:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(p.grad, alpha=-LR)
         if session.sync_gradients:
             losses.append(session._loss_value())
             units.append(session._items.unit)  # the scale of this step's backwards

@@ -4,6 +4,7 @@ and without accumulation; the plain contract (a mean of each micro-batch's means
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -71,3 +72,24 @@ def test_gradients_in_flight_keep_the_size_of_the_plain_contract():
         ratios = [a / b for a, b in zip(w["sizes"], p["sizes"])]
         assert len(ratios) == tl.STEPS * 2 * 5  # 2 micro-steps of 5 parameters' gradients per step
         assert 0.5 <= statistics.median(ratios) <= 2, statistics.median(ratios)
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize(
+    "variant, tolerance",
+    [
+        ({"clip": 0.05}, 1e-5),  # optim.max_grad_norm clips the token mean, as one process clips its loss's
+        ({"manual": True}, 1e-5),  # no optimizer: the loop's own update reads rescaled gradients
+        ({"comm_hook": "fp16"}, 2e-3),  # gradients travel in fp16: that rounding, and no more
+        ({"empty": tl.GLOBAL_BATCH // 2}, 1e-5),  # rank 0's share of every global batch is all padding
+    ],
+    ids=["clipping", "no optimizer", "fp16 comm hook", "a rank without tokens"],
+)
+def test_items_under_clipping_manual_updates_compressed_gradients_and_empty_shares(variant, tolerance):
+    reference = tl.reference(clip=variant.get("clip"), empty=variant.get("empty", 0))
+    if "clip" in variant:  # the clipping bites
+        assert rel_diff(tl.reference()["state"], reference["state"]) > 1e-2
+    ranks = _spawn("ddp", 2, True, **variant)
+    assert rel_diff(ranks[0]["state"], reference["state"]) < tolerance
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], rel=10 * tolerance)
+    assert all(math.isfinite(r) for r in ranks[0]["reduced"])
