@@ -55,6 +55,37 @@ def test_a_directory_of_another_model_is_one_line(tmp_path):
     session.close()
 
 
+def test_names_load_as_the_state_dict_has_them_with_no_prefix_or_conversion(tmp_path):
+    # from_pretrained strips or adds base_model_prefix ("transformer."); phalanx does not.
+    lm = hf_models.build("gpt2")
+    transformers.GPT2Model(lm.config).save_pretrained(tmp_path / "base")
+    session = _session("single")
+    session.setup(lm)
+    with pytest.raises(PhalanxError) as refused:
+        session.load_weights(tmp_path / "base")
+    assert "\n" not in str(refused.value)
+    assert "keys of the model missing (transformer.wte.weight, " in str(refused.value)
+    assert "keys the model does not have (h.0.attn.c_attn.bias, " in str(refused.value)
+    session.close()
+    # transformers 5 fuses a Mixtral's experts and save_pretrained writes them back per expert,
+    # unless save_original_format=False: only then are the names the state dict's.
+    config = transformers.MixtralConfig(
+        vocab_size=hf_models.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    mixtral = transformers.MixtralForCausalLM(config)
+    mixtral.save_pretrained(tmp_path / "original")
+    mixtral.save_pretrained(tmp_path / "as-is", save_original_format=False)
+    session = _session("single")
+    model = session.setup(transformers.MixtralForCausalLM(config))
+    with pytest.raises(PhalanxError, match=r"does not match the model: \d+ keys of the model missing \(.*experts"):
+        session.load_weights(tmp_path / "original")
+    session.load_weights(tmp_path / "as-is")
+    assert all(torch.equal(v, mixtral.state_dict()[k]) for k, v in model.state_dict().items())
+    session.close()
+
+
 def test_an_untied_checkpoint_into_a_tied_model_is_one_line(tmp_path):
     # An untied Llama's save_pretrained writes its head and its embedding, with different values;
     # the same Llama built with tie_word_embeddings=True holds one tensor for both.

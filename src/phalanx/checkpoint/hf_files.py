@@ -2,14 +2,16 @@
 directory, a ``*.index.json`` file (its ``weight_map`` names the shard of each tensor), or a list
 of weight files.
 
-A directory is read as ``from_pretrained`` reads one: ``model.safetensors``, else
+Of a directory, the file ``from_pretrained`` would pick is read: ``model.safetensors``, else
 ``model.safetensors.index.json`` and its shards, else ``pytorch_model.bin``, else
-``pytorch_model.bin.index.json``. Before any tensor is handed out the index is checked against its
-shards (a missing shard, a tensor the index puts in a shard that lacks it, a tensor in two shards,
-a shard tensor the index does not list), so that a damaged download is one line naming the file,
-not a model half loaded. Each shard is opened on its own (:class:`WeightsFile`): once to list its
-tensors, once more to read them, one shard open at a time, so the memory a read costs is still
-about one tensor (plus, for a torch shard, the pages of the one mapped file).
+``pytorch_model.bin.index.json``; the tensor names are handed out as the files have them (no
+``base_model_prefix`` handling, none of transformers' key conversions). Before any tensor is handed
+out the index is checked against its shards (a missing shard, a tensor the index puts in a shard
+that lacks it, a tensor in two shards, a shard tensor the index does not list), so that a damaged
+download is one line naming the file, not a model half loaded. Each shard is opened on its own
+(:class:`WeightsFile`): once to list its tensors, once more to read them, one shard open at a time,
+so the memory a read costs is still about one tensor (plus, for a torch shard, the pages of the one
+mapped file).
 """
 
 from __future__ import annotations
