@@ -64,8 +64,9 @@ def test_names_load_as_the_state_dict_has_them_with_no_prefix_or_conversion(tmp_
     with pytest.raises(PhalanxError) as refused:
         session.load_weights(tmp_path / "base")
     assert "\n" not in str(refused.value)
-    assert "keys of the model missing (transformer.wte.weight, " in str(refused.value)
-    assert "keys the model does not have (h.0.attn.c_attn.bias, " in str(refused.value)
+    assert "shares no tensor name with the model (the model's names are its names with 'transformer.' in front)" in (
+        str(refused.value)
+    )
     session.close()
     # transformers 5 fuses a Mixtral's experts and save_pretrained writes them back per expert,
     # unless save_original_format=False: only then are the names the state dict's.

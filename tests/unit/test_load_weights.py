@@ -109,7 +109,21 @@ def test_any_partial_or_reshaped_state_dict_loads_or_is_one_line(keys, rows):
     try:
         session.load_weights(given_, strict=False)
     except PhalanxError as err:
-        assert "\n" not in str(err) and "does not match the model" in str(err)
+        assert "\n" not in str(err)
+        assert "does not match the model" in str(err) or "shares no tensor name with the model" in str(err)
+    session.close()
+
+
+def test_a_source_sharing_no_name_with_the_model_is_refused_even_without_strict():
+    session = _session()
+    model = session.setup(_model())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prefixed = {f"model.{k}": v for k, v in _pretrained().items()}  # e.g. a base model's file for a head model
+    refusal = r"shares no tensor name with the model \(its names are the model's with 'model\.' in front\)"
+    for strict in (True, False):
+        with pytest.raises(PhalanxError, match=refusal):
+            session.load_weights(prefixed, strict=strict)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     session.close()
 
 

@@ -229,6 +229,9 @@ def _mismatch(index: dict, groups: list[tuple[list[str], torch.Tensor]], strict:
     None when it loads."""
     problems = []
     present = [(n, slot) for names, slot in groups for n in names if n in index]
+    if not present and index and groups:
+        # strict=False would load nothing at all, silently: most often a name prefix that differs.
+        return _no_common_name(list(index), [n for names, _ in groups for n in names], source)
     if strict:
         known = {n for names, _ in groups for n in names}
         missing = [names[0] for names, _ in groups if not any(n in index for n in names)]
@@ -257,6 +260,24 @@ def _mismatch(index: dict, groups: list[tuple[list[str], torch.Tensor]], strict:
         ", or pass strict=False to skip missing and unexpected keys" if strict and not (shapes or kinds) else ""
     )
     return f"{source} does not match the model: {'; '.join(problems)}; {fix}"
+
+
+def _no_common_name(theirs: list[str], ours: list[str], source: str) -> str:
+    """The line for a source that shares no tensor name with the model, with the prefix that tells
+    them apart where there is one (a base model's weights for a model with a head, or the reverse)."""
+    hint = ""
+    for a, b, where in ((theirs, ours, "the model's names are its names with {!r} in front"),
+                        (ours, theirs, "its names are the model's with {!r} in front")):  # fmt: skip
+        longer = set(b)
+        prefix = next((n[: -len(a[0])] for n in b if n.endswith("." + a[0])), None)
+        if prefix and sum(prefix + n in longer for n in a) * 2 > len(a):
+            hint = f" ({where.format(prefix)})"
+            break
+    return (
+        f"{source} shares no tensor name with the model{hint or f' (it has {theirs[0]!r}, the model {ours[0]!r})'}, "
+        "so nothing would load, strict or not; phalanx does not rename keys: rename them in a state dict and pass "
+        "that, or load weights saved from this model's class"
+    )
 
 
 def _untied(reader: Any, index: dict, groups: list[tuple[list[str], torch.Tensor]], source: str) -> str | None:
