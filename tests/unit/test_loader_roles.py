@@ -73,13 +73,22 @@ def test_a_backward_on_an_evaluation_loaders_batch_is_refused():
     session.close()
 
 
-def test_evaluating_in_the_middle_of_training_is_not_refused():
+def _training_and_evaluation(evaluation_batch: int) -> tuple:
+    """A Session with a shuffling training loader (8 micro-batches of 4) and an ordered one."""
     session = _session(micro_batch_size=4)
     model = torch.nn.Linear(4, 1)
     model, _, train, evaluation = session.setup(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(), 8, shuffle=True), DataLoader(_data(), 8)
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(_data(), 8, shuffle=True),
+        DataLoader(_data(), evaluation_batch),
     )
     assert train.train and not evaluation.train
+    return session, model, train, evaluation
+
+
+def test_evaluating_in_the_middle_of_training_is_not_refused():
+    session, model, train, evaluation = _training_and_evaluation(8)
     for i, (x, y) in enumerate(train):
         loss = F.mse_loss(model(x), y)
         with torch.no_grad():
@@ -97,11 +106,7 @@ def test_evaluating_in_the_middle_of_training_is_not_refused():
 
 
 def test_a_validation_batch_drawn_from_a_kept_iterator_before_the_backward_is_not_refused():
-    session = _session(micro_batch_size=4)
-    model = torch.nn.Linear(4, 1)
-    model, _, train, evaluation = session.setup(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(), 8, shuffle=True), DataLoader(_data(), 2)
-    )
+    session, model, train, evaluation = _training_and_evaluation(2)
     kept = iter(evaluation)
     for x, y in train:
         loss = F.mse_loss(model(x), y)

@@ -63,11 +63,12 @@ def data_files(directory: Path) -> list[str]:
 def fsync_tree(directory: Path) -> None:
     """Flush file contents and directory entries: a rename is only as durable as what it renames."""
     for path in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        _fsync(path)
-    _fsync(directory)
+        fsync_path(path)
+    fsync_path(directory)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's entries: what a rename into it wrote)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -100,13 +101,13 @@ def commit(staging: Path, manifest: dict[str, Any]) -> Path:
         shutil.rmtree(doomed, ignore_errors=True)
     else:
         os.rename(staging, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     pointer = final.parent / LATEST
     tmp = final.parent / f".{LATEST}.tmp"
     tmp.write_text(final.name + "\n", encoding="utf-8")
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, pointer)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     return final
 
 

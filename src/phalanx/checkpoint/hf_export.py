@@ -201,7 +201,7 @@ def _staging(out: Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(staging, out)
-        _fsync_directory(out.absolute().parent)  # the renames are only as durable as the parent's entries
+        files.fsync_path(out.absolute().parent)  # the renames are only as durable as the parent's entries
         done = True
     except (OSError, RuntimeError, SafetensorError) as err:
         raise PhalanxError(
@@ -228,14 +228,6 @@ def _put_back(old: Path, out: Path, err: OSError) -> None:
 def _reason(err: Exception) -> str:
     lines = str(err).strip().splitlines() or [type(err).__name__]
     return err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
