@@ -82,10 +82,14 @@ def _shard_one(
     share = block // world
     # (..., global batches, samples of one global batch, ...): each rank narrows the second.
     mine = tensor.unflatten(dim, (n // block, block)).narrow(dim + 1, rank * share, share)
+    # Contiguous, because scripts reshape what they get (nanoGPT's get_batch calls .view(-1)): a
+    # share along dim 1 or later is a strided view from 2 processes on, while at 1 process it is the
+    # whole tensor, so a view would break only once the script is scaled out. contiguous() copies
+    # only what is not already contiguous.
     if not micro_steps:
-        return mine.flatten(dim, dim + 1)
+        return mine.flatten(dim, dim + 1).contiguous()
     micro = share // accumulation
-    return [mine.narrow(dim + 1, m * micro, micro).flatten(dim, dim + 1) for m in range(accumulation)]
+    return [mine.narrow(dim + 1, m * micro, micro).flatten(dim, dim + 1).contiguous() for m in range(accumulation)]
 
 
 # -- iterable datasets ---------------------------------------------------------------------------------
