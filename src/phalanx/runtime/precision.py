@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from typing import Any, Callable
 
@@ -39,14 +40,7 @@ class Precision:
         ``autocast=False`` where the strategy casts parameters itself (FSDP's mixed precision)."""
         if self.mode == "fp32":
             return forward
-
-        @functools.wraps(forward)
-        def wrapped(*args, **kwargs):
-            with self.autocast() if autocast else contextlib.nullcontext():
-                out = forward(*args, **kwargs)
-            return _to_fp32(out)
-
-        return wrapped
+        return _AutocastForward(self, forward, autocast)
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
@@ -79,6 +73,36 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+class _AutocastForward:
+    """A model's forward under the Session's autocast, set on the model as its ``forward``.
+
+    An object rather than a closure for what copying and pickling the model do with it.
+    ``copy.deepcopy(model)`` (an EMA copy) keeps the autocast and runs the copy's own forward, where
+    a closure would be shared and run the original's weights. ``torch.save(model)`` stores the
+    model's own forward, so a model loaded outside the Session runs as written, in the dtype its
+    new script chooses; a closure could not be pickled at all."""
+
+    def __init__(self, precision: Precision, forward: Callable, autocast: bool):
+        functools.update_wrapper(self, forward)  # first: it copies the forward's __dict__ onto this
+        self.precision, self.forward, self.autocast = precision, forward, autocast
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision.autocast() if self.autocast else contextlib.nullcontext():
+            out = self.forward(*args, **kwargs)
+        return _to_fp32(out)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AutocastForward:
+        return _AutocastForward(self.precision, copy.deepcopy(self.forward, memo), self.autocast)
+
+    def __reduce__(self) -> Any:
+        owner = getattr(self.forward, "__self__", None)
+        return (getattr, (owner, self.forward.__name__)) if owner is not None else (_same, (self.forward,))
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _to_fp32(value: Any) -> Any:

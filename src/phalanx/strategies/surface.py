@@ -21,6 +21,7 @@ model's layers, in one line naming the fix.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from typing import Any, Callable
@@ -96,11 +97,28 @@ class ModelSurface(nn.Module):
         return self.__dict__[_USER].load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # The class is made at run time, so pickle (and copy.deepcopy) rebuild it from its base.
+        # Pickling (torch.save(model, f)). A wrapper that works with the run's other processes (DDP's
+        # process group and all-reduce hooks, a pipeline stage) cannot be loaded without them, so it
+        # is refused with the two saves that do load; others pickle, and their class, made at run
+        # time, is rebuilt from its base.
+        if self.__dict__.get(_RULE) is not None:
+            raise PhalanxError(
+                f"torch.save(model) cannot pickle the {type(self).__name__} that setup() returned: it works only "
+                "together with this run's other processes; save the bare model with "
+                "torch.save(session.unwrap(model), f), or its weights with torch.save(session.model_state_dict(), f)"
+            )
         base = self._phalanx_base
         if base is None:
             return super().__reduce_ex__(protocol)
         return _rebuild, (base,), self.__getstate__()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # copy.deepcopy (an EMA copy) works for every wrapper, in this process: what pickle would do,
+        # without the refusal above.
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone
 
 
 def expose(wrapped: nn.Module, user: nn.Module, direct_calls: str = "any") -> nn.Module:
