@@ -13,6 +13,11 @@ from phalanx.config.schema import PrecisionConfig
 from phalanx.util.tree import map_tensors
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Measured: nanoGPT 1.75 s against 0.19 s per step; benchmarks/cpu_fp16.py 18-22x (AMD EPYC, 2 threads).
+CPU_FP16_NOTE = (
+    "phalanx: precision.mode fp16 on a CPU makes each training step about 9-22x slower than fp32 "
+    "(measured on small GPT models); use fp32, or bf16 (no loss scaling; fast where the CPU has bf16 instructions)"
+)
 
 
 class Precision:
@@ -21,6 +26,11 @@ class Precision:
         self.dtype = _DTYPES[config.mode]
         self.device = device
         self.scaler = torch.amp.GradScaler(device.type) if config.mode == "fp16" else None
+        self.notes: list[str] = []  # said once on rank 0 by the Session
+        if config.mode == "fp16" and device.type == "cpu":
+            # Most CPUs have no fp16 matmul (bf16 they often have), so autocast's fp16 kernels
+            # convert and run slowly, and nothing else would tell the user (benchmarks/cpu_fp16.py).
+            self.notes.append(CPU_FP16_NOTE)
         if device.type == "cuda":
             # Process-wide switches, so they are set once here rather than per call. Off means
             # PyTorch's defaults (TF32 for cuDNN convolutions, not for matmuls), left untouched.
