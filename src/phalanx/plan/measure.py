@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -138,6 +139,7 @@ def measure_activations(
                 model = build(factory, kwargs, device)
                 apply_activation_checkpointing(model, list(checkpoint_classes), setting="--checkpoint")
                 if inputs is None:
+                    refuse_several_inputs(model)
                     args, kw = (_example_input(input_shape, input_dtype, batch, device),), {}
                 else:
                     args, kw = user_inputs(inputs, inputs_name, batch, device, last_try=device == "cpu")
@@ -160,6 +162,28 @@ def measure_activations(
     raise PhalanxError(
         f"one micro-batch of shape {input_shape} does not run through the model: {why}; for a forward that "
         "takes more than one argument, or inputs that are not batch-first, give --inputs MODULE:FUNCTION"
+    )
+
+
+def refuse_several_inputs(model: nn.Module) -> None:
+    """--input-shape feeds the forward one tensor. A forward with more named parameters (defaults
+    counted) may run another path without the rest: nanoGPT's ``forward(idx, targets=None)``
+    returns the last position's logits only, so a measurement would quietly miss most of the
+    training activations. Such a forward needs --inputs, which passes what training passes."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward without a readable signature: nothing to judge
+        return
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named = [p for p in signature.parameters.values() if p.kind not in variadic]
+    if len(named) <= 1:
+        return
+    shown = ", ".join(p.name + ("=..." if p.default is not p.empty else "") for p in named)
+    raise PhalanxError(
+        f"--input-shape gives the model one tensor, but {type(model).__name__}.forward takes {len(named)} inputs "
+        f"({shown}), and one left out can change what it computes (without targets nanoGPT's GPT returns only the "
+        "last position's logits); give --inputs MODULE:FUNCTION, a function of the micro-batch size returning "
+        "the inputs training passes"
     )
 
 
