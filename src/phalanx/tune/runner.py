@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -104,7 +105,16 @@ class _Tuner:
         self.script, self.script_args, self.cap = options.target("tune")
         _check_options(options)
         extra = (f"train.memory_cap={options.memory_cap}",) if options.memory_cap else ()
-        self.base: LaunchPlan = prepare(options.request(self.script, self.script_args, options.nproc, extra))
+        self.creates = _absent_config(options)  # --config FILE that tune will create, if absent
+        self.launching = options  # what the trials launch with (an empty stand-in for an absent FILE)
+        if self.creates is None:
+            self.base: LaunchPlan = prepare(options.request(self.script, self.script_args, options.nproc, extra))
+        else:
+            with tempfile.TemporaryDirectory() as empty:
+                stand_in = Path(empty) / self.creates.name  # same suffix, so read as the same format
+                stand_in.touch()
+                request = replace(options, config_file=str(stand_in)).request
+                self.base = prepare(request(self.script, self.script_args, options.nproc, extra))
         if self.base.config.batch.fixed_layout:
             _refuse_global_batch(options, "batch.fixed_layout is true in the config")
         if self.base.rendezvous.nnodes > 1:
@@ -138,7 +148,7 @@ class _Tuner:
         number = len(self.trials) + 1
         parent = self.directory / f"t{number:02d}"
         overrides = (*self.common, *(settings.overrides() if settings else ()))
-        run = self.options.launch(
+        run = self.launching.launch(
             self.script, self.script_args, nproc=self.nproc, parent=parent, extra=overrides, cap=self.cap
         )
         trial = conclude(
@@ -235,6 +245,10 @@ class _Tuner:
     def run(self) -> TuneResult:
         o = self.options
         self.directory.mkdir(parents=True)
+        if self.creates is not None:
+            stand_in = self.directory / f"empty-config{self.creates.suffix or '.yaml'}"
+            stand_in.touch()
+            self.launching = replace(o, config_file=str(stand_in))
         device = self.base.devices.kind
         cap = f", memory cap {o.memory_cap} per rank" if o.memory_cap else ""
         self.say(
@@ -470,6 +484,27 @@ class _Tuner:
 
 def run_tune(options: TuneOptions, say: Callable[[str], None] = print) -> TuneResult:
     return _Tuner(options, say).run()
+
+
+def _absent_config(options: TuneOptions) -> Path | None:
+    """``--config FILE`` when FILE does not exist yet: tune creates it with the winners (docs/tune.md).
+    Until then the trials read an empty file in its place, so they run on the defaults, which is
+    what FILE will add the winners to; with no --config at all, launch would read ./phalanx.yaml,
+    another file."""
+    if not options.config_file:
+        return None
+    path = Path(options.config_file)
+    try:
+        if path.exists():
+            return None
+    except (OSError, ValueError):  # a path that cannot be one: launch says so in its own words
+        return None
+    if not path.parent.is_dir():
+        raise PhalanxError(
+            f"--config {path}: the directory {path.parent} does not exist, so tune cannot create the file there; "
+            "create the directory first or give a path in an existing one"
+        )
+    return path
 
 
 def _refuse_global_batch(options: TuneOptions, why: str) -> None:
