@@ -32,6 +32,9 @@ class LaunchContext:
     gloo_on_cuda: bool = False
     # This launch's own token (unique per launch): whose checkpoint-directory lock is the job's own.
     job: str | None = None
+    # The run as the launcher resolved it (counted settings, the script's hash and arguments): what
+    # checkpoints record so that the next launch can tell its own (checkpoint/run_identity.py).
+    run: dict | None = field(default=None, hash=False)
 
     def to_env(self) -> dict[str, str]:
         payload = {
@@ -42,6 +45,7 @@ class LaunchContext:
             "force_cpu": self.force_cpu,
             "gloo_on_cuda": self.gloo_on_cuda,
             "job": self.job,
+            "run": self.run,
         }
         return {ENV_CONTEXT: json.dumps(payload)}
 
@@ -60,6 +64,7 @@ class LaunchContext:
             force_cpu=bool(data.get("force_cpu", False)),
             gloo_on_cuda=bool(data.get("gloo_on_cuda", False)),
             job=data.get("job"),
+            run=data.get("run") if isinstance(data.get("run"), dict) else None,
         )
 
     @property

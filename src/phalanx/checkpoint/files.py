@@ -348,6 +348,33 @@ def _check(m: Any) -> None:
     for name in _LAYOUT_FILES[layout]:
         if name not in listed:
             raise _Bad(f'"files" does not list {name}, which a {layout} checkpoint has')
+    run = m.get("run")  # absent before checkpoints recorded their run (checkpoint/run_identity.py)
+    if run is not None:
+        _check_run(_object(run, "run"), "run")
+        launch = run.get("launch")
+        if launch is not None:
+            _check_run(_object(launch, "run.launch"), "run.launch")
+
+
+def _check_run(run: dict, where: str) -> None:
+    """A run's settings (names and JSON values) and its script, as run_identity compares them."""
+    for name in _object(_need(run, "settings", where), f"{where}.settings"):
+        if not _plain_text(name):
+            raise _Bad(f"{_child(f'{where}.settings', name)} is not a plain setting name")
+    script = _need(run, "script", where)
+    if script is None:
+        return
+    at = f"{where}.script"
+    # Any text: a path or an argument may hold what a message must escape (one_line does).
+    path = _need(_object(script, at), "path", at)
+    if not isinstance(path, str):
+        raise _Bad(f"{at}.path is {_show(path)}, not a string")
+    digest = _need(script, "sha256", at)
+    if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+        raise _Bad(f"{at}.sha256 is {_show(digest)}, not a SHA-256 in hex")
+    for i, arg in enumerate(_list(_need(script, "args", at), f"{at}.args")):
+        if not isinstance(arg, str):
+            raise _Bad(f"{at}.args[{i}] is {_show(arg)}, not a string")
 
 
 def _check_depth(value: Any) -> None:

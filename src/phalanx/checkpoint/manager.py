@@ -66,8 +66,9 @@ class Checkpointer:
         self.run_dir = run_dir
         self.keep_last = keep_last
 
-    def save(self, root: Path, objects: TrainingObjects) -> Path:
-        """Write a complete checkpoint of ``objects`` under ``root``; returns its directory."""
+    def save(self, root: Path, objects: TrainingObjects, run: dict[str, Any] | None = None) -> Path:
+        """Write a complete checkpoint of ``objects`` under ``root``; returns its directory. ``run``:
+        the run it belongs to (checkpoint/run_identity.py), recorded in the manifest."""
         strategy, topo = self.strategy, self.topology
         train = dict(objects.state.state_dict())
         mine_rng = train.pop("rng")
@@ -112,7 +113,8 @@ class Checkpointer:
             described.update(part or {})
         final = root / files.step_name(train["step"])
         if topo.is_main:
-            final = files.commit(staging, self._manifest(objects, train, shapes, sizes, tied, described))
+            manifest = self._manifest(objects, train, shapes, sizes, tied, described)
+            final = files.commit(staging, {**manifest, "run": run})
             files.prune(root, self.keep_last)
         self._barrier()
         return final

@@ -327,8 +327,15 @@ class CheckpointConfig(Section):
     resume: str = Field(
         "auto",
         description=(
-            "auto: continue from the latest complete checkpoint in dir when there is one | "
-            "never | the path of a checkpoint"
+            "auto: continue from the latest complete checkpoint in dir when there is one and this run wrote it "
+            "(the same settings that count and the same script: docs/checkpoints.md) | never | the path of a checkpoint"
+        ),
+    )
+    resume_any_run: bool = Field(
+        False,
+        description=(
+            "resume: auto continues from the latest checkpoint even when another run wrote it (other settings "
+            "that count, another script or its arguments); false: such a checkpoint stops the launch"
         ),
     )
 

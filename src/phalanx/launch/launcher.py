@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import torch
 
 from phalanx.checkpoint.lock import DirectoryLock
+from phalanx.checkpoint.run_identity import of_launch
 from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
 from phalanx.config.sources import check_overrides
@@ -25,7 +26,7 @@ from phalanx.faults import markers
 from phalanx.faults.lifeline import ENV_LAUNCHER_PID
 from phalanx.launch.devices import DevicePlan, plan_devices
 from phalanx.launch.outcome import report_failure, report_preemption
-from phalanx.launch.preflight import check_output_dirs, check_script
+from phalanx.launch.preflight import check_checkpoint_owner, check_output_dirs, check_script
 from phalanx.launch.rendezvous import Rendezvous, plan_rendezvous
 from phalanx.metrics.profile import ProfileWindow
 from phalanx.metrics.summary_display import report_run
@@ -130,6 +131,8 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     from phalanx.session.batch_plan import config_plan
 
     config_plan(config, strategy_cls, world)  # refuses sizes the Session would refuse
+    # The run as the checkpoints it writes will record it (launch() refuses another run's checkpoint).
+    run = of_launch(config, strategy_cls.name, request.script, request.script_args)
     # Last, as nothing after it can fail. Absolute, so a script that changes directory still writes
     # into its run directory.
     run_root = check_output_dirs(launch.run_dir, config.checkpoint.dir)
@@ -142,6 +145,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
         force_cpu=devices.kind == "cpu",
         # Several nodes share their rendezvous id, and only rank 0 takes the lock there: no token.
         job=None if rendezvous.multi_node else uuid.uuid4().hex,
+        run=run,
     )
     return LaunchPlan(request, config, devices, strategy_cls.name, run_dir, context, rendezvous)
 
@@ -159,6 +163,9 @@ def launch(request: LaunchRequest) -> int:
     """Run the job; returns the exit code for the CLI."""
     plan = prepare(request)
     with checkpoint_lock(plan):  # before the run directory: a refused job leaves nothing behind
+        # Under the lock: a job still running in the directory is named as such, and no save moves
+        # 'latest' while the check reads it.
+        check_checkpoint_owner(plan.config.checkpoint, plan.context.run)
         plan = _make_run_dir(plan)
         write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
         print(plan.describe(), flush=True)

@@ -1,6 +1,7 @@
-"""What ``phalanx launch`` checks on disk before any worker starts: that the script compiles and
-that the run directory and the checkpoint directory can be written. Each problem is one line
-naming the path and the fix, where otherwise every rank would print its own traceback.
+"""What ``phalanx launch`` checks on disk before any worker starts: that the script compiles, that
+the run directory and the checkpoint directory can be written, and that a checkpoint the run would
+resume belongs to it. Each problem is one line naming the path and the fix, where otherwise every
+rank would print its own traceback.
 
 The checks leave nothing behind: a directory they had to create is removed again, so a launch
 refused later still leaves no trace."""
@@ -12,6 +13,8 @@ import uuid
 import warnings
 from pathlib import Path
 
+from phalanx.checkpoint import run_identity
+from phalanx.config.sections import CheckpointConfig
 from phalanx.config.sources import one_line
 from phalanx.errors import PhalanxError
 
@@ -77,6 +80,17 @@ def check_output_dirs(run_dir: str, checkpoint_dir: str) -> Path:
         "set checkpoint.dir (e.g. --set checkpoint.dir=DIR) to a directory you can write",
     )
     return check_writable("launch.run_dir", run_dir, "pass --run-dir DIR naming a directory you can write")
+
+
+def check_checkpoint_owner(checkpoint: CheckpointConfig, run: dict) -> None:
+    """Under ``checkpoint.resume: auto`` (without ``resume_any_run``), the latest checkpoint in
+    ``checkpoint.dir`` (relative to the working directory the workers share) was written by this
+    run: the same counted settings, the same script and arguments (``run``, see
+    checkpoint/run_identity.py); else one line and exit 2."""
+    try:
+        run_identity.check_launch(Path(checkpoint.dir), checkpoint.resume, checkpoint.resume_any_run, run)
+    except PhalanxError as err:
+        raise _refused(str(err)) from None
 
 
 def _refused(message: str) -> PhalanxError:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from phalanx.checkpoint import files as checkpoint_files
 from phalanx.checkpoint.lock import DirectoryLock
 from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
+from phalanx.checkpoint.run_identity import RunIdentity
 from phalanx.config.schema import Config, parse_period
 from phalanx.errors import PhalanxError
 from phalanx.faults import markers
@@ -51,6 +52,8 @@ class Recovery:
             on_loaded,
         )
         self.resume_checked = False
+        # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
+        self.identity = RunIdentity.of_session(config, checkpointer.strategy.name)
         faults = config.faults
         launched = topology.launched
         self.watchdog = (
@@ -94,7 +97,7 @@ class Recovery:
         self.resume_checked = True  # a run that saved has started; never resume over it later
         self.claim(create=True)
         with self._io():
-            path = self.checkpointer.save(self.root, objects)
+            path = self.checkpointer.save(self.root, objects, run=self.identity.record)
         self.agreement.saved()
         self.say(f"phalanx: saved checkpoint {path} (step {self.state.step})")
         return path
@@ -184,6 +187,8 @@ class Recovery:
                         f"phalanx: restart {restart}: no checkpoint in '{self.root}' yet; starting from the beginning"
                     )
                 return
+            if spec == "auto":
+                self.identity.check_resume(path, self.topology, self.run_dir, self.say)
         else:
             path = Path(spec)
         if restart:

@@ -1,0 +1,235 @@
+"""Which run a checkpoint belongs to, so that ``checkpoint.resume: auto`` continues only that run.
+
+A checkpoint records the run that wrote it under ``"run"`` in its manifest:
+
+    settings   the settings that change what training computes (COUNTED), as the Session resolved
+               them: file, code and --set alike
+    script     the script's resolved path, the SHA-256 of its content and its arguments (null where
+               there is no script file: a notebook, ``python -c``)
+    launch     settings and script as ``phalanx launch`` resolved them before any worker started
+               (null without it)
+
+Two views, because the launcher cannot see what the script sets in code (``Session(batch=...)``,
+a ``Config.load()`` of a file of its own): its preflight compares ``launch`` with what it resolves
+now, the same computation from the same inputs, and the Session compares ``settings`` and
+``script`` at setup, which covers plain torchrun. A resume is refused when either differs.
+
+What does not count, and why, is in docs/checkpoints.md (#which-settings-count).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from phalanx.checkpoint import files
+from phalanx.config.schema import Config
+from phalanx.config.sources import one_line
+from phalanx.errors import PhalanxError
+from phalanx.topology import LaunchContext, Topology
+
+# Settings that change the numbers training computes. Mechanics (how the global batch is split into
+# micro-batches, the strategy, compilation, loader workers, activation checkpointing) are left out:
+# they give the same weights (tests/integration/test_equivalence.py), and changing them on a resume
+# is what a requeue onto other hardware needs. So are train.epochs and train.max_steps: raising
+# them to train on is the most ordinary resume there is.
+COUNTED = (
+    "batch.global_batch_size",
+    "batch.adaptive",
+    "batch.adapt_every",
+    "batch.adaptive_max_global_batch",
+    "batch.adaptive_step_times",
+    "optim.lr_scaling",
+    "optim.reference_batch_size",
+    "optim.warmup_steps",
+    "optim.warmup_start_factor",
+    "optim.max_grad_norm",
+    "precision.mode",
+    "precision.tf32",
+    "data.drop_last",
+    "train.seed",
+)
+# A strategy's options that change the numbers (lossy gradient compression, the dtype gradients
+# are reduced in), counted for the strategy the run uses: another strategy's section is unused.
+STRATEGY_COUNTED = {
+    "ddp": ("comm_hook", "powersgd_rank", "powersgd_start_step", "powersgd_warm_start", "broadcast_buffers"),
+    "fsdp": ("reduce_dtype",),
+}
+# The noise scale is a measurement, except that batch.adaptive chooses batches from it.
+WITH_ADAPTIVE = ("train.noise_scale", "train.noise_scale_every", "train.noise_scale_smoothing")
+
+SHOWN = 3  # differences named in a refusal; the rest are counted
+
+
+def counted_settings(config: Config, strategy: str) -> dict[str, Any]:
+    """The counted settings of ``config`` under strategy ``strategy`` (the resolved name), as JSON
+    values: what a manifest holds and what a comparison with one sees."""
+    flat = config.flat()
+    keys = [*COUNTED, *(f"strategy.{strategy}.{option}" for option in STRATEGY_COUNTED.get(strategy, ()))]
+    if flat.get("batch.adaptive") is not None:
+        keys += WITH_ADAPTIVE
+    return {key: json.loads(json.dumps(flat[key])) for key in keys if key in flat}
+
+
+def script_identity(path: str | None, args: Sequence[str]) -> dict[str, Any] | None:
+    """``{"path", "sha256", "args"}`` of the script at ``path``, or None when it is no readable file."""
+    if not path:
+        return None
+    try:
+        resolved = Path(path).resolve()
+        if not resolved.is_file():
+            return None
+        digest = files.sha256(resolved)
+    except (OSError, RuntimeError, ValueError):  # unreadable, a symlink loop, a NUL byte
+        return None
+    return {"path": str(resolved), "sha256": digest, "args": [str(a) for a in args]}
+
+
+def of_launch(config: Config, strategy: str, script: str, args: Sequence[str]) -> dict[str, Any]:
+    """What ``phalanx launch`` knows of the run: it passes this to the workers (LaunchContext.run),
+    and its preflight compares it with a checkpoint's ``launch``."""
+    return {"settings": counted_settings(config, strategy), "script": script_identity(script, args)}
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How run ``now`` differs from the run ``saved`` of a checkpoint, one phrase per difference
+    (the script first). A side without a script, and a setting only one side records (a phalanx
+    version that did not know it, another strategy's option), are not compared."""
+    out = []
+    old, new = saved.get("script"), now.get("script")
+    if old and new:
+        if old["sha256"] != new["sha256"]:
+            out.append(f"script {Path(new['path']).name}: its content differs from the one that saved it")
+        if old["args"] != new["args"]:
+            out.append(f"script arguments: {_args(old['args'])} -> {_args(new['args'])}")
+    before, after = saved.get("settings") or {}, now.get("settings") or {}
+    out += [f"{key}: {_show(before[key])} -> {_show(new)}" for key, new in after.items() if before.get(key, new) != new]
+    return out
+
+
+def refusal(where: Path, manifest: dict[str, Any], found: list[str], *, command_line: bool) -> str:
+    """The one line that stops a resume of ``where`` (whose manifest is ``manifest``)."""
+    if command_line:
+        choices = (
+            "to resume it anyway add --set checkpoint.resume_any_run=true; to start afresh give this run its own "
+            "directory with --set checkpoint.dir=DIR (or --set checkpoint.resume=never to start afresh in this one)"
+        )
+    else:
+        choices = (
+            "to resume it anyway set checkpoint.resume_any_run: true; to start afresh give this run its own "
+            "checkpoint.dir (or set checkpoint.resume: never to start afresh in this one)"
+        )
+    return one_line(
+        f"checkpoint '{where}' (step {manifest['step']}, saved {manifest['created']}) belongs to another run: "
+        f"{_few(found)}; {choices}"
+    )
+
+
+def check_launch(root: Path, resume: str, any_run: bool, launched: dict[str, Any]) -> None:
+    """``phalanx launch``'s preflight: under ``checkpoint.resume: auto`` (and not ``resume_any_run``),
+    refuse (PhalanxError) when the latest checkpoint in ``root`` was written by this script (its
+    path) in another run than ``launched`` (see :func:`of_launch`): edited, other arguments, other
+    settings that count. A checkpoint written without phalanx launch is compared by its script only:
+    the Session checks the settings, which it alone knows in full. Another script's checkpoint is
+    the Session's to refuse too: the launcher cannot tell whether that script resumes at all (an
+    evaluation script, a data-preparation step run in the same directory)."""
+    if resume != "auto" or any_run:
+        return
+    where = files.latest(root)
+    if where is None:
+        return
+    manifest = files.read_manifest(where)
+    run = manifest.get("run")
+    if run is None:
+        return  # written before checkpoints recorded their run: the Session says so as it resumes
+    saved = run.get("launch") or {"script": run.get("script")}
+    old, new = saved.get("script"), launched.get("script")
+    if old and new and old["path"] != new["path"]:
+        return
+    found = differences(saved, launched)
+    if found:
+        raise PhalanxError(refusal(where, manifest, found, command_line=True))
+
+
+class RunIdentity:
+    """The Session's run: ``record`` is what its checkpoints hold under ``"run"``;
+    :meth:`check_resume` stops a resume of another run's checkpoint."""
+
+    def __init__(self, record: dict[str, Any], any_run: bool = False):
+        self.record, self.any_run = record, any_run
+        self._checked: set[str] = set()  # every rank checks the same paths in the same order
+
+    @classmethod
+    def of_session(cls, config: Config, strategy: str, context: LaunchContext | None = None) -> "RunIdentity":
+        """The script is the launcher's view under phalanx launch (hashed once, before any worker
+        ran), else this process's own ``sys.argv``: what torchrun and ``python train.py`` run."""
+        if context is None:
+            context = LaunchContext.from_env()
+        launch = context.run if context is not None else None
+        argv = sys.argv
+        script = launch.get("script") if launch else script_identity(argv[0] if argv else None, argv[1:])
+        record = {"settings": counted_settings(config, strategy), "script": script, "launch": launch}
+        return cls(record, config.checkpoint.resume_any_run)
+
+    def check_resume(self, where: Path, topology: Topology, run_dir: str | None, say: Callable[[str], None]) -> None:
+        """Before ``checkpoint.resume: auto`` resumes ``where``; a collective. Rank 0 decides and every
+        rank raises the same PhalanxError, so none waits for a rank that stopped. Once per path."""
+        if str(where) in self._checked:
+            return
+        answer: tuple[str | None, str | None] = (None, None)
+        if topology.is_main:
+            try:
+                answer = verdict(where, self.record, run_dir, self.any_run)
+            except PhalanxError as err:  # a damaged manifest: the same line everywhere
+                answer = (str(err), None)
+        if topology.world_size > 1 and dist.is_initialized():
+            box = [answer]
+            dist.broadcast_object_list(box, src=0)
+            answer = box[0]
+        problem, note = answer
+        if problem is not None:
+            raise PhalanxError(problem)
+        self._checked.add(str(where))
+        if note is not None:
+            say(note)
+
+
+def verdict(where: Path, now: dict[str, Any], run_dir: str | None, any_run: bool) -> tuple[str | None, str | None]:
+    """(refusal, note) for the Session's resume of ``where``: a refusal when it belongs to another run
+    (unless ``any_run``), a note when that could not be checked or ``any_run`` let it through."""
+    manifest = files.read_manifest(where)
+    if run_dir is not None and manifest.get("run_dir") == run_dir:
+        return None, None  # this launch wrote it: a restart resumes its own job
+    run = manifest.get("run")
+    if run is None:
+        return None, (
+            f"phalanx: checkpoint '{where}' was written by phalanx {manifest['phalanx']}, before checkpoints "
+            "recorded their run: resuming it without checking that this run's settings and script are its own"
+        )
+    found = differences(run, now)
+    if not found:
+        return None, None
+    if any_run:
+        return None, one_line(
+            f"phalanx: checkpoint.resume_any_run: resuming '{where}' although it belongs to another run: {_few(found)}"
+        )
+    # Under phalanx launch the way on is a --set away; under plain torchrun it is a setting.
+    return refusal(where, manifest, found, command_line=now.get("launch") is not None), None
+
+
+def _few(found: list[str]) -> str:
+    return ", ".join(found[:SHOWN]) + (f" (and {len(found) - SHOWN} more)" if len(found) > SHOWN else "")
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _args(args: list[str]) -> str:
+    text = shlex.join(args) if args else "(none)"
+    return text if len(text) <= 60 else f"{text[:57]}..."

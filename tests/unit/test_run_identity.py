@@ -1,0 +1,421 @@
+"""Issue 23: a checkpoint resumes only the run it belongs to. The fingerprint's comparison over
+config changes (hypothesis: a counted setting changed is refused and named, any other resumes), the
+script and its arguments, the launcher's preflight on checkpoint files, and the Session's refusal
+at setup in one process (the two-process paths are tests/integration/test_run_identity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import phalanx
+from phalanx.checkpoint import files, run_identity
+from phalanx.checkpoint.run_identity import RunIdentity
+from phalanx.config.schema import Config
+from phalanx.errors import ConfigError, PhalanxError
+from phalanx.launch.preflight import check_checkpoint_owner
+from phalanx.topology import LaunchContext
+
+FAST = settings(derandomize=True, database=None, max_examples=200, deadline=None)
+
+# Valid values other than the default for every setting. A setting added to the config must be
+# added here: the tests below then say whether it counts as it should (run_identity.COUNTED).
+ALTERNATIVES: dict[str, list[Any]] = {
+    "preset": ["throughput"],
+    "strategy.name": ["ddp", "fsdp", "zero1", "single"],
+    "strategy.activation_checkpointing": [["Block"]],
+    "strategy.ddp.bucket_cap_mb": [50.0, 1.0],
+    "strategy.ddp.first_bucket_cap_mb": [1.0],
+    "strategy.ddp.gradient_as_bucket_view": [False],
+    "strategy.ddp.static_graph": [True],
+    "strategy.ddp.find_unused_parameters": [True, False],
+    "strategy.ddp.broadcast_buffers": [False],
+    "strategy.ddp.comm_hook": ["fp16", "bf16", "powersgd"],
+    "strategy.ddp.powersgd_rank": [2, 4],
+    "strategy.ddp.powersgd_start_step": [0, 100],
+    "strategy.ddp.powersgd_warm_start": [False],
+    "strategy.fsdp.reshard_after_forward": [False],
+    "strategy.fsdp.wrap": [["Block"]],
+    "strategy.fsdp.min_params": [1000],
+    "strategy.fsdp.reduce_dtype": ["bf16"],
+    "strategy.fsdp.cpu_offload": [True],
+    "strategy.pipeline.schedule": ["gpipe"],
+    "strategy.pipeline.microbatches": [4],
+    "strategy.pipeline.split_points": [["layers.2"]],
+    "batch.global_batch_size": [32, 64],
+    "batch.micro_batch_size": [4, 8],
+    "batch.max_micro_batch_size": [16],
+    "batch.fixed_layout": [True],
+    "batch.adaptive": ["goodput"],
+    "batch.adapt_every": [10],
+    "batch.adaptive_max_global_batch": [256],
+    "batch.adaptive_step_times": [[0.1, 0.01]],
+    "optim.lr_scaling": ["linear", "sqrt"],
+    "optim.reference_batch_size": [16],
+    "optim.warmup_steps": [100],
+    "optim.warmup_start_factor": [0.1],
+    "optim.max_grad_norm": [1.0, 0.5],
+    "precision.mode": ["bf16", "fp16"],
+    "precision.tf32": [True],
+    "precision.cudnn_benchmark": [True],
+    "compute.compile": [True],
+    "compute.compile_mode": ["default"],  # another mode needs compile: true (its own example below)
+    "compute.channels_last": [True],
+    "compute.optimizer_impl": ["foreach", "loop"],
+    "data.num_workers": [2, "auto"],
+    "data.pin_memory": [False],
+    "data.persistent_workers": [False],
+    "data.prefetch_factor": [4],
+    "data.prefetch_to_device": [False],
+    "data.drop_last": [True],
+    "train.epochs": [3, 10],
+    "train.max_steps": [100, 5000],
+    "train.seed": [1, 1234],
+    "train.progress": [False],
+    "train.metrics": [False],
+    "train.tensorboard": [False],
+    "train.profile": ["steps=5:8"],
+    "train.profile_ranks": [[0, 1]],
+    "train.memory_cap": ["2GiB"],
+    "train.noise_scale": [False, "hook"],
+    "train.noise_scale_every": [5],
+    "train.noise_scale_smoothing": [0.9],
+    "checkpoint.dir": ["elsewhere"],
+    "checkpoint.save_every": [100, "30m"],
+    "checkpoint.keep_last": [1, None],
+    "checkpoint.resume": ["never"],
+    "checkpoint.resume_any_run": [True],
+    "faults.hang_timeout": [60.0],
+    "faults.first_step_timeout": [600.0],
+    "faults.preempt_grace": [30.0],
+    "launch.nproc": [4],
+    "launch.gpus": ["0,1"],
+    "launch.cpu": [True],
+    "launch.ranks": ["all"],
+    "launch.run_dir": ["elsewhere"],
+    "launch.max_restarts": [3],
+    "launch.nnodes": [2],
+    "launch.node_rank": [1],
+    "launch.master": ["node01:29500"],
+    "launch.rdzv_endpoint": ["node01:29400"],
+    "launch.rdzv_id": ["job7"],
+    "launch.verbose": [True],
+}
+STRATEGIES = ["single", "ddp", "zero1", "fsdp", "pipeline"]
+
+
+def _config(changes: dict[str, Any]) -> Config:
+    return Config.load(overrides=[f"{key}={json.dumps(value)}" for key, value in changes.items()])
+
+
+# What counts, written out again here rather than read from run_identity: a change to either is a
+# decision, and docs/checkpoints.md#which-settings-count says the same.
+MUST_COUNT = {
+    "batch.global_batch_size", "batch.adaptive", "batch.adapt_every", "batch.adaptive_max_global_batch",
+    "batch.adaptive_step_times", "optim.lr_scaling", "optim.reference_batch_size", "optim.warmup_steps",
+    "optim.warmup_start_factor", "optim.max_grad_norm", "precision.mode", "precision.tf32", "data.drop_last",
+    "train.seed",
+}  # fmt: skip
+MUST_COUNT_FOR = {
+    "ddp": {"comm_hook", "powersgd_rank", "powersgd_start_step", "powersgd_warm_start", "broadcast_buffers"},
+    "fsdp": {"reduce_dtype"},
+}
+MUST_COUNT_WITH_ADAPTIVE = {"train.noise_scale", "train.noise_scale_every", "train.noise_scale_smoothing"}
+
+
+def _counts(key: str, strategy: str, config: Config) -> bool:
+    section, _, option = key.removeprefix("strategy.").partition(".")
+    if key.startswith("strategy.") and option:
+        return section == strategy and option in MUST_COUNT_FOR.get(strategy, set())
+    return key in MUST_COUNT or (key in MUST_COUNT_WITH_ADAPTIVE and config.batch.adaptive is not None)
+
+
+def test_every_setting_is_classified():
+    missing = sorted(set(Config().flat()) - set(ALTERNATIVES))
+    assert not missing, f"add {missing} to ALTERNATIVES (and to run_identity.COUNTED if it changes what training does)"
+
+
+@FAST
+@given(
+    st.lists(
+        st.sampled_from(sorted(ALTERNATIVES)).flatmap(
+            lambda k: st.tuples(st.just(k), st.sampled_from(ALTERNATIVES[k]))
+        ),
+        min_size=1,
+        max_size=3,
+        unique_by=lambda kv: kv[0],
+    ),
+    st.sampled_from(STRATEGIES),
+)
+def test_a_counted_change_is_named_and_any_other_resumes(changed, strategy):
+    base = Config.load()
+    try:
+        now = _config(dict(changed))
+    except ConfigError:
+        assume(False)  # a combination the config refuses (e.g. launch.cpu with launch.gpus)
+    saved = {"settings": run_identity.counted_settings(base, strategy), "script": None}
+    here = {"settings": run_identity.counted_settings(now, strategy), "script": None}
+    found = run_identity.differences(saved, here)
+    old, new = base.flat(), now.flat()
+    # What a preset turns on changes with it; a value equal to the default changes nothing.
+    expected = {
+        k for k in new if k in old and old[k] != new[k] and _counts(k, strategy, base) and _counts(k, strategy, now)
+    }
+    assert expected >= {k for k, v in changed if _counts(k, strategy, base) and old[k] != v}
+    # A counted setting changed is named with both values; nothing else is.
+    assert {line.partition(":")[0] for line in found} == expected
+    for key in expected:
+        assert f"{key}: {_shown(old[key])} -> {_shown(new[key])}" in found
+
+
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def test_noise_scale_counts_only_under_batch_adaptive():
+    plain = run_identity.counted_settings(_config({"train.noise_scale_every": 5}), "ddp")
+    adaptive = run_identity.counted_settings(_config({"batch.adaptive": "goodput"}), "ddp")
+    assert "train.noise_scale_every" not in plain and adaptive["train.noise_scale_every"] == 10
+
+
+def test_a_strategy_option_counts_for_the_strategy_in_use_only():
+    hook = _config({"strategy.ddp.comm_hook": "fp16"})
+    assert run_identity.counted_settings(hook, "ddp")["strategy.ddp.comm_hook"] == "fp16"
+    assert not any(k.startswith("strategy.ddp.") for k in run_identity.counted_settings(hook, "fsdp"))
+    # A resume under another strategy (a plain checkpoint resumes under any) compares none of them.
+    saved = {"settings": run_identity.counted_settings(Config.load(), "ddp")}
+    assert run_identity.differences(saved, {"settings": run_identity.counted_settings(hook, "zero1")}) == []
+
+
+def test_refusal_shows_three_differences_and_counts_the_rest(tmp_path):
+    found = [f"k{i}: {i} -> {i + 1}" for i in range(5)]
+    manifest = {"step": 12, "created": "2026-12-01T10:00:00+0000"}
+    line = run_identity.refusal(tmp_path / "step-00000012", manifest, found, command_line=True)
+    assert "\n" not in line and f"checkpoint '{tmp_path / 'step-00000012'}' (step 12, saved 2026-12-01" in line
+    assert "k0: 0 -> 1, k1: 1 -> 2, k2: 2 -> 3 (and 2 more)" in line and "k3" not in line
+    assert "--set checkpoint.resume_any_run=true" in line and "--set checkpoint.dir=DIR" in line
+    assert "--set checkpoint.resume=never" in line
+    own = run_identity.refusal(tmp_path, manifest, found[:1], command_line=False)
+    assert "checkpoint.resume_any_run: true" in own and "--set" not in own
+
+
+# -- the script --------------------------------------------------------------------------------
+
+
+def test_script_identity_hashes_content_and_keeps_arguments(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    first = run_identity.script_identity(str(script), ["--lr", "3e-4"])
+    assert first == {"path": str(script.resolve()), "sha256": files.sha256(script), "args": ["--lr", "3e-4"]}
+    assert run_identity.script_identity(str(tmp_path / "missing.py"), []) is None
+    assert run_identity.script_identity("-c", []) is None and run_identity.script_identity("", []) is None
+    # The same content elsewhere (a copied project, a symlink) is the same script.
+    copy = tmp_path / "copy.py"
+    copy.write_text("print(1)\n")
+    moved = run_identity.script_identity(str(copy), ["--lr", "3e-4"])
+    assert run_identity.differences({"script": first}, {"script": moved}) == []
+    script.write_text("print(2)\n")
+    edited = run_identity.script_identity(str(script), ["--lr", "1e-3", "--name", "a b"])
+    found = run_identity.differences({"script": first}, {"script": edited})
+    assert found == [
+        "script train.py: its content differs from the one that saved it",
+        "script arguments: --lr 3e-4 -> --lr 1e-3 --name 'a b'",
+    ]
+    assert run_identity.differences({"script": None}, {"script": edited}) == []  # nothing to compare
+
+
+# -- checkpoints on disk -------------------------------------------------------------------------
+
+
+def _session(ckpt: Path, **sections) -> tuple:
+    torch.manual_seed(0)
+    train = {"epochs": 1, "progress": False, "metrics": False, **sections.pop("train", {})}
+    checkpoint = {"dir": str(ckpt), **sections.pop("checkpoint", {})}
+    batch = {"global_batch_size": 8, **sections.pop("batch", {})}
+    session = phalanx.Session(batch=batch, train=train, checkpoint=checkpoint, **sections)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = session.setup(model, optimizer, DataLoader(data, batch_size=8))
+    return session, model, loader
+
+
+def _train(session, model, loader) -> None:
+    for _ in session.epochs():
+        for x, y in session.progress(loader):
+            with session.accumulate(model):
+                session.backward(nn.functional.mse_loss(model(x), y))
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    """A checkpoint of a one-process run with the defaults but these sizes; returns the directory."""
+    session, model, loader = _session(tmp_path / "ck", checkpoint={"resume": "never"})
+    _train(session, model, loader)
+    session.save()
+    session.close()
+    return tmp_path / "ck"
+
+
+def _resume(ckpt: Path, capsys, **sections) -> str:
+    session, model, loader = _session(ckpt, **sections)
+    try:
+        _train(session, model, loader)
+    finally:
+        session.close()
+    return capsys.readouterr().out
+
+
+def test_manifest_records_the_run(saved):
+    manifest = files.read_manifest(files.latest(saved))
+    run = manifest["run"]
+    assert run["settings"]["train.seed"] == 0 and run["settings"]["batch.global_batch_size"] == 8
+    assert "train.epochs" not in run["settings"] and "checkpoint.dir" not in run["settings"]
+    assert run["launch"] is None  # no phalanx launch
+
+
+def test_the_same_run_resumes_and_an_uncounted_change_too(saved, capsys):
+    capsys.readouterr()
+    assert "resumed from" in _resume(saved, capsys)
+    out = _resume(saved, capsys, train={"epochs": 3, "max_steps": 5}, batch={"micro_batch_size": 4})
+    assert "resumed from" in out and "belongs to another run" not in out
+
+
+def test_a_counted_change_is_refused_at_setup_naming_it(saved, capsys):
+    with pytest.raises(PhalanxError) as err:  # at setup(), or at the first training action before it resumes
+        _resume(saved, capsys, train={"seed": 7}, optim={"max_grad_norm": 1.0})
+    line = str(err.value)
+    assert "\n" not in line and f"checkpoint '{saved / 'step-00000002'}' (step 2, saved " in line
+    assert "belongs to another run: optim.max_grad_norm: null -> 1.0, train.seed: 0 -> 7;" in line
+    assert "checkpoint.resume_any_run: true" in line and "checkpoint.resume: never" in line
+
+
+def test_resume_any_run_resumes_and_says_what_differs(saved, capsys):
+    out = _resume(saved, capsys, train={"seed": 7}, checkpoint={"resume_any_run": True})
+    assert "resuming" in out and "although it belongs to another run: train.seed: 0 -> 7" in out
+    assert "resumed from" in out
+
+
+def test_never_and_an_explicit_path_are_not_checked(saved, capsys):
+    assert "resumed from" not in _resume(saved, capsys, train={"seed": 7}, checkpoint={"resume": "never"})
+    explicit = str(saved / "step-00000002")
+    assert "resumed from" in _resume(saved, capsys, train={"seed": 7}, checkpoint={"resume": explicit})
+
+
+def test_a_checkpoint_from_before_the_fingerprint_resumes_with_a_note(saved, capsys):
+    where = files.latest(saved)
+    manifest = json.loads((where / files.MANIFEST).read_text())
+    del manifest["run"]
+    (where / files.MANIFEST).write_text(json.dumps(manifest))
+    out = _resume(saved, capsys, train={"seed": 7})
+    assert "before checkpoints recorded their run: resuming it without checking" in out
+    assert "resumed from" in out
+
+
+@pytest.mark.parametrize(
+    "run, problem",
+    [
+        ([], '"run" is a list, not an object'),
+        ({"script": None}, "run.settings is missing"),
+        ({"settings": {}, "script": {"path": "x", "sha256": "zz", "args": []}}, "run.script.sha256"),
+        ({"settings": {}, "script": {"path": "x", "sha256": "0" * 64, "args": [1]}}, "run.script.args[0]"),
+        ({"settings": {}, "script": None, "launch": {"settings": []}}, "run.launch.settings"),
+    ],
+)
+def test_a_damaged_run_record_is_named(saved, run, problem):
+    where = files.latest(saved)
+    manifest = json.loads((where / files.MANIFEST).read_text())
+    manifest["run"] = run
+    (where / files.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(PhalanxError, match="is damaged") as err:
+        files.read_manifest(where)
+    assert problem in str(err.value)
+
+
+# -- phalanx launch's preflight ---------------------------------------------------------------------
+
+
+def _as_launched(saved: Path, config: Config, script: Path, args: list[str]) -> dict:
+    """Make the checkpoint one that phalanx launch started: its launcher's view recorded."""
+    where = files.latest(saved)
+    manifest = json.loads((where / files.MANIFEST).read_text())
+    launched = run_identity.of_launch(config, "single", str(script), args)
+    manifest["run"]["launch"] = launched
+    (where / files.MANIFEST).write_text(json.dumps(manifest))
+    return launched
+
+
+def test_preflight_refuses_another_runs_checkpoint_in_one_line(saved, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    base = Config.load(overrides=[f"checkpoint.dir={saved}"])
+    launched = _as_launched(saved, base, script, ["--x", "1"])
+    check_checkpoint_owner(base.checkpoint, launched)  # the same command passes
+    longer = _config({"checkpoint.dir": str(saved), "train.max_steps": 900, "launch.nproc": 4})
+    check_checkpoint_owner(longer.checkpoint, run_identity.of_launch(longer, "ddp", str(script), ["--x", "1"]))
+    changed = _config({"checkpoint.dir": str(saved), "precision.mode": "bf16"})
+    with pytest.raises(PhalanxError) as err:
+        check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(script), ["--x", "1"]))
+    line = str(err.value)
+    assert "\n" not in line and "step-00000002' (step 2, saved " in line
+    assert "precision.mode: fp32 -> bf16" in line and "--set checkpoint.resume_any_run=true" in line
+    with pytest.raises(PhalanxError, match=r"script arguments: --x 1 -> --x 2"):
+        check_checkpoint_owner(base.checkpoint, run_identity.of_launch(base, "single", str(script), ["--x", "2"]))
+    for way_out in ({"checkpoint.resume_any_run": True}, {"checkpoint.resume": "never"}):
+        other = _config({"checkpoint.dir": str(saved), "precision.mode": "bf16", **way_out})
+        check_checkpoint_owner(other.checkpoint, run_identity.of_launch(other, "single", str(script), ["--x", "1"]))
+
+
+def test_preflight_without_a_launch_view_compares_the_script_only(saved, tmp_path):
+    # Written under plain torchrun (here: in-process): the Session checks the settings at setup.
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    where = files.latest(saved)
+    manifest = json.loads((where / files.MANIFEST).read_text())
+    manifest["run"]["script"] = run_identity.script_identity(str(script), [])
+    (where / files.MANIFEST).write_text(json.dumps(manifest))
+    changed = _config({"checkpoint.dir": str(saved), "train.seed": 3})
+    check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(script), []))
+    script.write_text("pass  # edited\n")
+    with pytest.raises(PhalanxError, match="script train.py: its content differs"):
+        check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(script), []))
+
+
+def test_preflight_leaves_another_scripts_checkpoint_to_its_session(saved, tmp_path):
+    # The launcher cannot tell whether evaluate.py resumes at all; its Session refuses if it does.
+    train, evaluate = tmp_path / "train.py", tmp_path / "evaluate.py"
+    train.write_text("pass\n")
+    evaluate.write_text("print('evaluating')\n")
+    base = Config.load(overrides=[f"checkpoint.dir={saved}"])
+    _as_launched(saved, base, train, [])
+    changed = _config({"checkpoint.dir": str(saved), "train.seed": 3})
+    check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(evaluate), []))
+
+
+def test_preflight_passes_an_empty_or_old_directory(tmp_path, saved):
+    config = _config({"checkpoint.dir": str(tmp_path / "none")})
+    check_checkpoint_owner(config.checkpoint, run_identity.of_launch(config, "single", "x.py", []))
+    where = files.latest(saved)
+    manifest = json.loads((where / files.MANIFEST).read_text())
+    del manifest["run"]
+    (where / files.MANIFEST).write_text(json.dumps(manifest))
+    changed = _config({"checkpoint.dir": str(saved), "train.seed": 3})
+    check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", "x.py", []))
+
+
+def test_the_session_takes_the_launchers_script_and_records_its_view(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    launched = run_identity.of_launch(Config.load(), "ddp", str(script), ["a"])
+    context = LaunchContext.from_env(LaunchContext(run=launched).to_env())
+    identity = RunIdentity.of_session(Config.load(), "ddp", context)
+    assert identity.record["script"] == launched["script"] and identity.record["launch"] == launched
+    assert identity.record["settings"] == launched["settings"]
