@@ -23,15 +23,7 @@ def test_no_note_for_the_modes_a_cpu_runs_well(mode):
     assert Precision(PrecisionConfig(mode=mode), torch.device("cpu")).notes == []
 
 
-# Strict: it fails loudly once session.py prints the notes, so the marker cannot outlive the reason.
-WAITS_FOR_SESSION = pytest.mark.xfail(
-    strict=True,
-    reason="needs Session._announce (session/session.py, another engineer's file) to print self.precision.notes "
-    "as it prints self._compute.notes; remove this marker with that one-line change",
-)
-
-
-@pytest.mark.parametrize("mode", [pytest.param("fp16", marks=WAITS_FOR_SESSION), "bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp32"])
 def test_the_session_prints_the_note_once_at_setup_under_fp16_only(mode, capsys):
     session = Session(Config(), strategy="single", precision=mode, train={"progress": False})
     try:

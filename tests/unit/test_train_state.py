@@ -11,11 +11,14 @@ from phalanx.session.state import TrainState
 
 
 class FakeLoader:
-    def __init__(self, epoch: int = 0, position: int | None = None):
-        self.epoch, self.position = epoch, position
+    def __init__(self, epoch: int = 0, position: int | None = None, length: int = 64):
+        self.epoch, self.position, self.length = epoch, position, length
 
     def resume_at(self, epoch: int, position: int | None) -> None:
         self.epoch, self.position = epoch, position
+
+    def epoch_done(self) -> bool:
+        return self.position is not None and self.position >= self.length
 
 
 def test_round_trip_restores_counters_and_positions():
@@ -69,3 +72,33 @@ def test_a_checkpoint_of_another_process_count_leaves_rng_alone():
     torch.manual_seed(6)
     TrainState(torch.device("cpu")).load_state_dict(state)
     assert torch.equal(torch.rand(2), expected)
+
+
+def test_a_state_taken_at_an_epochs_end_is_the_next_epochs_start():
+    saved = TrainState(torch.device("cpu"))
+    saved.step, saved.epoch = 8, 1
+    saved.add_loader(FakeLoader(1, 64))  # every sample of epoch 1 handed out
+    torch.manual_seed(3)
+    state = saved.state_dict()
+    expected = torch.rand(2)
+    assert (state["epoch"], state["data"]) == (2, [{"epoch": 2, "position": 0}])
+
+    fresh = TrainState(torch.device("cpu"))
+    loader = FakeLoader()
+    fresh.add_loader(loader)
+    torch.manual_seed(99)
+    fresh.load_state_dict(state)
+    # The next pass has not drawn its seed yet, as in the uninterrupted run: the generators are back now.
+    assert torch.equal(torch.rand(2), expected)
+    assert (fresh.epoch, loader.epoch, loader.position) == (2, 2, 0)
+
+
+def test_a_loader_set_up_after_the_resume_gets_its_position():
+    saved = TrainState(torch.device("cpu"))
+    saved.add_loader(FakeLoader(0, 16))
+    state = saved.state_dict()
+    fresh = TrainState(torch.device("cpu"))
+    fresh.load_state_dict(state)  # setup() resumed before the script set its loader up
+    late = FakeLoader()
+    fresh.add_loader(late)
+    assert (late.epoch, late.position) == (0, 16)

@@ -25,6 +25,19 @@ def open_checkpoint(path: str | Path, *, verify: bool = True) -> dict[str, Any]:
     return manifest
 
 
+def progress_words(manifest: dict[str, Any]) -> str:
+    """Where the run of a checkpoint was: ``step 18, epoch 2, 96 samples into the epoch``, or for
+    one taken on the last step of an epoch (which resumes at the next one) ``step 10, after epoch 2``."""
+    step, epoch = manifest["step"], manifest["epoch"]
+    data = manifest.get("data") or []
+    if epoch and data and all(d.get("position") == 0 for d in data):
+        return f"step {step}, after epoch {epoch}"
+    words = f"step {step}, epoch {epoch + 1}"
+    if data and data[0].get("position"):
+        words += f", {data[0]['position']} samples into the epoch"
+    return words
+
+
 def model_state_dict(manifest: dict[str, Any], model: int = 0) -> dict[str, torch.Tensor]:
     """The full weights of model ``model`` of a checkpoint, on the CPU."""
     if manifest["layout"] == "plain":

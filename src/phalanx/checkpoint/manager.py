@@ -168,6 +168,7 @@ class Checkpointer:
                     "rng": mine,
                     "noise_scale": _noise_state(trainer.get("noise_scale")),
                     "adaptive_batch": _adaptive_state(trainer.get("adaptive_batch"), directory / TRAINER),
+                    "kept": trainer.get("kept"),  # session.keep()'s values
                 }
             )
         return manifest
@@ -269,7 +270,9 @@ class Checkpointer:
             "data": train["data"],
             # tied: the names of one tensor (an embedding the output layer shares), the one an export keeps first
             "models": [{"parameters": n, "shapes": s, "tied": t} for n, s, t in zip(sizes, shapes, tied)],
-            "optimizers": _optimizer_names(objects),
+            "optimizers": optimizer_names(objects),
+            # What a resume waits for before it restores the run (session/recovery.py).
+            "schedulers": len(objects.schedulers),
             "files": described,
         }
 
@@ -415,7 +418,7 @@ def shape_mismatch(saved: dict[str, list[int]], current: dict[str, list[int]]) -
 def _check_optimizers(objects: TrainingObjects, manifest: dict[str, Any], directory: Path, weights_only: bool) -> None:
     if weights_only:
         return
-    here = _optimizer_names(objects)
+    here = optimizer_names(objects)
     if manifest["optimizers"] != here:
         raise PhalanxError(
             f"checkpoint '{directory}' holds optimizer(s) {manifest['optimizers'] or 'none'}, "
@@ -424,7 +427,7 @@ def _check_optimizers(objects: TrainingObjects, manifest: dict[str, Any], direct
         )
 
 
-def _optimizer_names(objects: TrainingObjects) -> list[str]:
+def optimizer_names(objects: TrainingObjects) -> list[str]:
     # ZeroRedundancyOptimizer wraps the user's class: the inner one is what must match.
     return [type(getattr(o, "optim", o)).__name__ for o in objects.optimizers]
 

@@ -7,7 +7,7 @@ import json
 
 from rich.table import Table
 
-from phalanx.checkpoint.export import FORMATS, export, open_checkpoint, output_format
+from phalanx.checkpoint.export import FORMATS, export, open_checkpoint, output_format, progress_words
 from phalanx.checkpoint.files import describe_layout
 from phalanx.checkpoint.hf_model import recorded_class
 from phalanx.cli import options
@@ -82,7 +82,7 @@ def _info(args: argparse.Namespace) -> int:
     rows = [
         ("checkpoint", manifest["path"]),
         ("written", f"{manifest['created']} by phalanx {manifest['phalanx']}, torch {manifest['torch']}"),
-        ("progress", f"step {manifest['step']}, epoch {manifest['epoch'] + 1}; data position: {where}"),
+        ("progress", f"{progress_words(manifest)}; data position: {where}"),
         (
             "strategy",
             f"{manifest['strategy']} over {manifest['world_size']} process(es), {describe_layout(manifest['layout'])}",

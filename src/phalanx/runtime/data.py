@@ -180,6 +180,10 @@ class DeviceLoader:
             return None
         return self._pass_start + self._served * (self.loader.batch_size or 1) * self.sampler.world_size
 
+    def epoch_done(self) -> bool:
+        """Every sample of this epoch's order has been handed out (False for iterable datasets)."""
+        return self.sampler is not None and self.position >= self.sampler.global_len
+
     def resume_at(self, epoch: int, position: int | None) -> None:
         """Make the next pass of ``epoch`` start at global ``position`` (from a checkpoint)."""
         if self.sampler is None or position is None:

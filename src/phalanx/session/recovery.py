@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.checkpoint import files as checkpoint_files
+from phalanx.checkpoint.export import progress_words
 from phalanx.checkpoint.lock import DirectoryLock
-from phalanx.checkpoint.manager import Checkpointer, TrainingObjects
+from phalanx.checkpoint.manager import Checkpointer, TrainingObjects, optimizer_names
 from phalanx.checkpoint.run_identity import RunIdentity
 from phalanx.config.schema import Config, parse_period
 from phalanx.errors import PhalanxError
@@ -54,6 +55,7 @@ class Recovery:
         self.resume_checked = False
         # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
         self.identity = RunIdentity.of_session(config, checkpointer.strategy.name)
+        self._decided = False
         faults = config.faults
         launched = topology.launched
         self.watchdog = (
@@ -120,7 +122,7 @@ class Recovery:
         if weights_only:
             self.say(f"phalanx: loaded the weights of {where}")
         else:
-            self.say(f"phalanx: resumed from {where}: {_position_words(manifest)}")
+            self.say(f"phalanx: resumed from {where}: {progress_words(manifest)}")
         return where
 
     def claim(self, *, create: bool) -> None:
@@ -172,28 +174,93 @@ class Recovery:
         if self.resume_checked or not self.objects().models:
             return
         self.resume_checked = True
+        path = self._resume_target()
+        if path is not None:
+            self.load(path, weights_only=False)
+
+    def resume_if_set_up(self) -> None:
+        """At the end of each setup() call: resume now when what is set up is what the checkpoint
+        holds (its models, optimizers and schedulers), so the counters a script reads right after
+        setup() are the checkpoint's. Otherwise the resume waits for the first training action
+        (ensure_resumed), when the rest may be set up."""
+        if self.resume_checked or not self.objects().models:
+            return
+        path = self._resume_target(quiet=True)
+        if path is None:
+            if self._decided:
+                self.resume_checked = True  # nothing to resume: the run starts fresh
+            return
+        held = self._holds(path)
+        objects = self.objects()
+        here = (len(objects.models), optimizer_names(objects), len(objects.schedulers))
+        if held is not None and held[:2] == here[:2] and held[2] in (None, here[2]):
+            self.resume_checked = True
+            if self.topology.restart_count:
+                self.say(f"phalanx: restart {self.topology.restart_count} after a failure")
+            self.load(path, weights_only=False)
+
+    def refuse_late_resume(self, where: str) -> None:
+        """At a backward or step before any resume point: a forward has run on weights the resume
+        would replace, so resuming now would train one step wrong; say so instead."""
+        if self.resume_checked or not self.objects().models:
+            return
+        path = self._resume_target(quiet=True)
+        self.resume_checked = path is None
+        if path is not None:
+            objects = self.objects()
+            raise PhalanxError(
+                f"this run resumes from checkpoint {path}, but {where} came first, after a forward on the weights "
+                f"the resume replaces; set up what the checkpoint holds ({len(objects.models)} model(s), their "
+                "optimizers and LR schedulers) in session.setup(), which then resumes, or drive the loop with "
+                "session.epochs() or `with session.accumulate(model):`, or set checkpoint.resume: never"
+            )
+
+    def _resume_target(self, *, quiet: bool = False) -> Path | None:
+        """The checkpoint this run continues from, or None (and ``_decided``: whether that answer is
+        final, i.e. does not depend on what is set up later). A collective."""
+        self._decided = False
         self.claim(create=False)
         spec, restart = self.config.checkpoint.resume, self.topology.restart_count
         if spec == "never" and not restart:
-            return
+            self._decided = True
+            return None
         if spec == "auto" or restart:
             # After a restart, resume.never still means "not from an earlier launch".
             path = self.latest(this_run=spec != "auto")
             if path is None and spec not in ("auto", "never"):
                 path = Path(spec)  # restarted before this launch saved: back to the given checkpoint
             if path is None:
-                if restart:
+                self._decided = True
+                if restart and not quiet:
                     self.say(
                         f"phalanx: restart {restart}: no checkpoint in '{self.root}' yet; starting from the beginning"
                     )
-                return
+                return None
             if spec == "auto":
                 self.identity.check_resume(path, self.topology, self.run_dir, self.say)
         else:
             path = Path(spec)
-        if restart:
+        if restart and not quiet:
             self.say(f"phalanx: restart {restart} after a failure")
-        self.load(path, weights_only=False)
+        return path
+
+    def _holds(self, path: Path) -> tuple | None:
+        """What the checkpoint at ``path`` was saved with: (models, optimizer classes, schedulers),
+        as rank 0 reads it from the manifest; None where it cannot tell (then the resume waits,
+        and load() reports any problem)."""
+        held = None
+        if self.topology.is_main:
+            try:
+                manifest = checkpoint_files.read_manifest(checkpoint_files.resolve(path))
+                # Checkpoints before the count was recorded: its models and optimizers must do.
+                held = (len(manifest["models"]), manifest["optimizers"], manifest.get("schedulers"))
+            except PhalanxError:
+                held = None
+        if self.topology.world_size > 1 and dist.is_initialized():
+            box = [held]
+            dist.broadcast_object_list(box, src=0)
+            held = box[0]
+        return held
 
     # -- at every optimizer step ----------------------------------------------------------------------
     def after_step(self) -> None:
@@ -226,11 +293,3 @@ class Recovery:
 
     def _io(self) -> contextlib.AbstractContextManager:
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
-
-
-def _position_words(manifest: dict) -> str:
-    words = f"step {manifest['step']}, epoch {manifest['epoch'] + 1}"
-    data = manifest.get("data") or []
-    if data and data[0].get("position"):
-        words += f", {data[0]['position']} samples into the epoch"
-    return words

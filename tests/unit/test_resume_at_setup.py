@@ -1,0 +1,67 @@
+"""A resumed run is back at its checkpoint when setup() returns: a loop that counts its own steps
+and keeps its counter with session.keep() trains exactly the steps asked for, to the weights of an
+uninterrupted run, bit for bit; one that keeps nothing is told so at its first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx import PhalanxError
+from phalanx.session.kept import Kept
+from tests.helpers import own_count as oc
+
+
+def test_a_loop_that_counts_its_own_steps_resumes_exactly(tmp_path):
+    whole = oc.train(str(tmp_path / "a"), resume="never")
+    first = oc.train(str(tmp_path / "b"), stop_at=5)
+    again = oc.train(str(tmp_path / "b"))
+    assert (first["steps"], again["at_setup"], again["steps"], again["step_count"]) == (5, 5, oc.MAX_ITERS - 5, 12)
+    for key, value in whole["weights"].items():
+        assert torch.equal(value, again["weights"][key]), key
+
+
+def test_a_resumed_loop_that_follows_no_count_is_warned_at_its_first_step(tmp_path, capsys):
+    oc.train(str(tmp_path / "c"), stop_at=5, keep=False)
+    capsys.readouterr()
+    oc.train(str(tmp_path / "c"), keep=False, stop_at=1)
+    out = capsys.readouterr().out
+    assert out.count("phalanx: warning: this run resumed at step 5, but nothing in the loop follows") == 1
+    assert "session.keep(iter_num=0)" in out
+
+
+def test_kept_values_are_checked_and_named():
+    kept = Kept({"iter_num": 0, "best": float("inf")})
+    kept.iter_num += 3
+    assert kept.state_dict() == {"iter_num": 3, "best": float("inf")}
+    with pytest.raises(PhalanxError, match=r"holds iter_num, best, not 'iter'"):
+        kept.iter = 1
+    kept.best = object()
+    with pytest.raises(PhalanxError, match="best is a object, which a checkpoint cannot hold safely"):
+        kept.state_dict()
+    ema = torch.nn.Linear(2, 2)
+    stateful = Kept({"ema": ema})
+    saved = {k: v.clone() for k, v in stateful.state_dict()["ema"].items()}
+    torch.nn.init.zeros_(ema.weight)
+    stateful.load_state_dict({"ema": saved})
+    assert torch.equal(ema.weight, saved["weight"])  # restored in place
+
+
+def test_loss_backward_with_session_step_under_accumulation_is_refused():
+    # The shortest port of a one-GPU loop, under batch.micro_batch_size below the global batch.
+    from torch import nn
+
+    from phalanx import Config, Session
+
+    session = Session(
+        Config(),
+        batch={"global_batch_size": 8, "micro_batch_size": 4},
+        train={"progress": False, "metrics": False},
+        checkpoint={"resume": "never"},
+    )
+    model = nn.Linear(3, 1)
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(4, 3)).mean().backward()
+    with pytest.raises(PhalanxError, match=r"2 micro-steps per optimizer step, but this step's gradients did not"):
+        session.step()
+    session.close()
