@@ -22,6 +22,7 @@ from phalanx.checkpoint.run_identity import RunIdentity
 from phalanx.config.schema import Config
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.launch.preflight import check_checkpoint_owner
+from phalanx.strategies.registry import strategy_class
 from phalanx.topology import LaunchContext
 
 FAST = settings(derandomize=True, database=None, max_examples=200, deadline=None)
@@ -131,10 +132,16 @@ MUST_COUNT_FOR = {
 MUST_COUNT_WITH_ADAPTIVE = {"train.noise_scale", "train.noise_scale_every", "train.noise_scale_smoothing"}
 
 
+def _keys(strategy: str) -> list[str]:
+    return strategy_class(strategy).counted_settings()
+
+
 def _counts(key: str, strategy: str, config: Config) -> bool:
     section, _, option = key.removeprefix("strategy.").partition(".")
     if key.startswith("strategy.") and option:
-        return section == strategy and option in MUST_COUNT_FOR.get(strategy, set())
+        # A strategy's own section: zero1 trains through DDP and reads strategy.ddp.
+        own = strategy_class(strategy).options_key
+        return section == own and option in MUST_COUNT_FOR.get(section, set())
     return key in MUST_COUNT or (key in MUST_COUNT_WITH_ADAPTIVE and config.batch.adaptive is not None)
 
 
@@ -161,8 +168,8 @@ def test_a_counted_change_is_named_and_any_other_resumes(changed, strategy):
         now = _config(dict(changed))
     except ConfigError:
         assume(False)  # a combination the config refuses (e.g. launch.cpu with launch.gpus)
-    saved = {"settings": run_identity.counted_settings(base, strategy), "script": None}
-    here = {"settings": run_identity.counted_settings(now, strategy), "script": None}
+    saved = {"settings": run_identity.counted_settings(base, _keys(strategy)), "script": None}
+    here = {"settings": run_identity.counted_settings(now, _keys(strategy)), "script": None}
     found = run_identity.differences(saved, here)
     old, new = base.flat(), now.flat()
     # What a preset turns on changes with it; a value equal to the default changes nothing.
@@ -181,18 +188,21 @@ def _shown(value: Any) -> str:
 
 
 def test_noise_scale_counts_only_under_batch_adaptive():
-    plain = run_identity.counted_settings(_config({"train.noise_scale_every": 5}), "ddp")
-    adaptive = run_identity.counted_settings(_config({"batch.adaptive": "goodput"}), "ddp")
+    plain = run_identity.counted_settings(_config({"train.noise_scale_every": 5}), _keys("ddp"))
+    adaptive = run_identity.counted_settings(_config({"batch.adaptive": "goodput"}), _keys("ddp"))
     assert "train.noise_scale_every" not in plain and adaptive["train.noise_scale_every"] == 10
 
 
 def test_a_strategy_option_counts_for_the_strategy_in_use_only():
     hook = _config({"strategy.ddp.comm_hook": "fp16"})
-    assert run_identity.counted_settings(hook, "ddp")["strategy.ddp.comm_hook"] == "fp16"
-    assert not any(k.startswith("strategy.ddp.") for k in run_identity.counted_settings(hook, "fsdp"))
-    # A resume under another strategy (a plain checkpoint resumes under any) compares none of them.
-    saved = {"settings": run_identity.counted_settings(Config.load(), "ddp")}
-    assert run_identity.differences(saved, {"settings": run_identity.counted_settings(hook, "zero1")}) == []
+    assert run_identity.counted_settings(hook, _keys("ddp"))["strategy.ddp.comm_hook"] == "fp16"
+    assert not any(k.startswith("strategy.ddp.") for k in run_identity.counted_settings(hook, _keys("fsdp")))
+    # zero1 trains through DDP: its comm hook changes the numbers as ddp's does.
+    saved = {"settings": run_identity.counted_settings(Config.load(), _keys("ddp"))}
+    found = run_identity.differences(saved, {"settings": run_identity.counted_settings(hook, _keys("zero1"))})
+    assert found == ["strategy.ddp.comm_hook: none -> fp16"]
+    # A resume under a strategy with another section (a plain checkpoint resumes under any) compares none.
+    assert run_identity.differences(saved, {"settings": run_identity.counted_settings(hook, _keys("single"))}) == []
 
 
 def test_refusal_shows_three_differences_and_counts_the_rest(tmp_path):
@@ -347,7 +357,7 @@ def _as_launched(saved: Path, config: Config, script: Path, args: list[str]) -> 
     """Make the checkpoint one that phalanx launch started: its launcher's view recorded."""
     where = files.latest(saved)
     manifest = json.loads((where / files.MANIFEST).read_text())
-    launched = run_identity.of_launch(config, "single", str(script), args)
+    launched = run_identity.of_launch(config, _keys("single"), str(script), args)
     manifest["run"]["launch"] = launched
     (where / files.MANIFEST).write_text(json.dumps(manifest))
     return launched
@@ -360,7 +370,7 @@ def test_preflight_refuses_another_runs_checkpoint_in_one_line(saved, tmp_path):
     launched = _as_launched(saved, base, script, ["--x", "1"])
     check_checkpoint_owner(base.checkpoint, launched)  # the same command passes
     longer = _config({"checkpoint.dir": str(saved), "train.max_steps": 900, "launch.nproc": 4})
-    check_checkpoint_owner(longer.checkpoint, run_identity.of_launch(longer, "ddp", str(script), ["--x", "1"]))
+    check_checkpoint_owner(longer.checkpoint, run_identity.of_launch(longer, _keys("ddp"), str(script), ["--x", "1"]))
     changed = _config({"checkpoint.dir": str(saved), "precision.mode": "bf16"})
     with pytest.raises(PhalanxError) as err:
         check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(script), ["--x", "1"]))

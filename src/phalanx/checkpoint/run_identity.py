@@ -54,23 +54,18 @@ COUNTED = (
     "data.drop_last",
     "train.seed",
 )
-# A strategy's options that change the numbers (lossy gradient compression, the dtype gradients
-# are reduced in), counted for the strategy the run uses: another strategy's section is unused.
-STRATEGY_COUNTED = {
-    "ddp": ("comm_hook", "powersgd_rank", "powersgd_start_step", "powersgd_warm_start", "broadcast_buffers"),
-    "fsdp": ("reduce_dtype",),
-}
 # The noise scale is a measurement, except that batch.adaptive chooses batches from it.
 WITH_ADAPTIVE = ("train.noise_scale", "train.noise_scale_every", "train.noise_scale_smoothing")
 
 SHOWN = 3  # differences named in a refusal; the rest are counted
 
 
-def counted_settings(config: Config, strategy: str) -> dict[str, Any]:
-    """The counted settings of ``config`` under strategy ``strategy`` (the resolved name), as JSON
-    values: what a manifest holds and what a comparison with one sees."""
+def counted_settings(config: Config, strategy_keys: Sequence[str] = ()) -> dict[str, Any]:
+    """The counted settings of ``config``, with the strategy in use's own (``strategy_keys``: its
+    ``counted_settings()``, flat keys such as ``strategy.ddp.comm_hook``; another strategy's section
+    is unused), as JSON values: what a manifest holds and what a comparison with one sees."""
     flat = config.flat()
-    keys = [*COUNTED, *(f"strategy.{strategy}.{option}" for option in STRATEGY_COUNTED.get(strategy, ()))]
+    keys = [*COUNTED, *strategy_keys]
     if flat.get("batch.adaptive") is not None:
         keys += WITH_ADAPTIVE
     return {key: json.loads(json.dumps(flat[key])) for key in keys if key in flat}
@@ -90,10 +85,10 @@ def script_identity(path: str | None, args: Sequence[str]) -> dict[str, Any] | N
     return {"path": str(resolved), "sha256": digest, "args": [str(a) for a in args]}
 
 
-def of_launch(config: Config, strategy: str, script: str, args: Sequence[str]) -> dict[str, Any]:
+def of_launch(config: Config, strategy_keys: Sequence[str], script: str, args: Sequence[str]) -> dict[str, Any]:
     """What ``phalanx launch`` knows of the run: it passes this to the workers (LaunchContext.run),
     and its preflight compares it with a checkpoint's ``launch``."""
-    return {"settings": counted_settings(config, strategy), "script": script_identity(script, args)}
+    return {"settings": counted_settings(config, strategy_keys), "script": script_identity(script, args)}
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -165,7 +160,9 @@ class RunIdentity:
         self._checked: set[str] = set()  # every rank checks the same paths in the same order
 
     @classmethod
-    def of_session(cls, config: Config, strategy: str, context: LaunchContext | None = None) -> "RunIdentity":
+    def of_session(
+        cls, config: Config, strategy_keys: Sequence[str], context: LaunchContext | None = None
+    ) -> "RunIdentity":
         """The script is the launcher's view under phalanx launch (hashed once, before any worker
         ran), else this process's own ``sys.argv``: what torchrun and ``python train.py`` run."""
         if context is None:
@@ -173,7 +170,7 @@ class RunIdentity:
         launch = context.run if context is not None else None
         argv = sys.argv
         script = launch.get("script") if launch else script_identity(argv[0] if argv else None, argv[1:])
-        record = {"settings": counted_settings(config, strategy), "script": script, "launch": launch}
+        record = {"settings": counted_settings(config, strategy_keys), "script": script, "launch": launch}
         return cls(record, config.checkpoint.resume_any_run)
 
     def check_resume(self, where: Path, topology: Topology, run_dir: str | None, say: Callable[[str], None]) -> None:

@@ -132,7 +132,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
 
     config_plan(config, strategy_cls, world)  # refuses sizes the Session would refuse
     # The run as the checkpoints it writes will record it (launch() refuses another run's checkpoint).
-    run = of_launch(config, strategy_cls.name, request.script, request.script_args)
+    run = of_launch(config, strategy_cls.counted_settings(), request.script, request.script_args)
     # Last, as nothing after it can fail. Absolute, so a script that changes directory still writes
     # into its run directory.
     run_root = check_output_dirs(launch.run_dir, config.checkpoint.dir)

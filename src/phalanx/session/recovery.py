@@ -54,7 +54,7 @@ class Recovery:
         )
         self.resume_checked = False
         # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
-        self.identity = RunIdentity.of_session(config, checkpointer.strategy.name)
+        self.identity = RunIdentity.of_session(config, type(checkpointer.strategy).counted_settings())
         self._decided = False
         faults = config.faults
         launched = topology.launched

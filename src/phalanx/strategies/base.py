@@ -99,6 +99,15 @@ class Strategy:
     # Its rows in `phalanx plan` (none: the plan leaves it out). A subclass that inherits rows
     # declares its own (zero1 does): the registry refuses a row label twice.
     plan_rows: ClassVar[tuple[PlanRow, ...]] = ()
+    # Options of its section that change the numbers trained (lossy gradient compression, the dtype
+    # gradients are reduced in): a checkpoint resumes only a run with the same values
+    # (checkpoint/run_identity.py). A subclass inherits its parent's with the section (zero1: ddp's).
+    resume_counted: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def counted_settings(cls) -> list[str]:
+        """The flat config keys of ``resume_counted`` (``strategy.ddp.comm_hook``, ...)."""
+        return [f"strategy.{cls.options_key}.{option}" for option in cls.resume_counted if cls.options_key]
 
     @classmethod
     def sharding(cls, settings: StrategyConfig) -> Sharding:

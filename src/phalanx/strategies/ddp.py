@@ -97,6 +97,7 @@ class DDP(Strategy):
     name = "ddp"
     options_key = "ddp"
     options = DDPConfig
+    resume_counted = ("comm_hook", "powersgd_rank", "powersgd_start_step", "powersgd_warm_start", "broadcast_buffers")
     # The comm hook is a setting of DDP's all-reduce; under another strategy it would do nothing.
     options_apply: ClassVar[dict[str, tuple[str, str]]] = {
         "comm_hook": ("ddp_buckets", "compresses DDP's gradient all-reduce")

@@ -62,6 +62,7 @@ class FSDP(Strategy):
     name = "fsdp"
     options_key = "fsdp"
     options = FSDPConfig
+    resume_counted = ("reduce_dtype",)
     needs_process_group = True
     handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
     checkpoint_layout = "dcp"
