@@ -65,3 +65,33 @@ def test_loss_backward_with_session_step_under_accumulation_is_refused():
     with pytest.raises(PhalanxError, match=r"2 micro-steps per optimizer step, but this step's gradients did not"):
         session.step()
     session.close()
+
+
+def test_a_save_every_checkpoint_holds_the_count_the_script_makes_after_the_step(tmp_path):
+    # nanoGPT counts `iter_num += 1` after its step: a checkpoint written inside the step would hold
+    # the count one behind, and the resumed run would train that step twice.
+    from torch import nn
+
+    from phalanx import Config, Session
+
+    def run(stop: int) -> tuple[int, int, int, int]:
+        session = Session(
+            Config(),
+            batch={"global_batch_size": 4},
+            train={"progress": False, "metrics": False, "seed": 0},
+            checkpoint={"dir": str(tmp_path / "ck"), "save_every": 3},
+        )
+        model = nn.Linear(2, 1)
+        model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        progress = session.keep(iter_num=0)
+        start = (session.step_count, progress.iter_num)
+        while progress.iter_num < stop:
+            session.backward(model(torch.randn(4, 2)).pow(2).mean())
+            session.step()
+            progress.iter_num += 1
+        end = (session.step_count, progress.iter_num)
+        session.close()
+        return (*start, *end)
+
+    assert run(3) == (0, 0, 3, 3)
+    assert run(6) == (3, 3, 6, 6)  # resumed at step 3 with iter_num 3; 6 steps in all

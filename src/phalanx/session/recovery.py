@@ -6,6 +6,7 @@ business."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -56,6 +57,8 @@ class Recovery:
         # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
         self.identity = RunIdentity.of_session(config, type(checkpointer.strategy).counted_settings())
         self._decided = False
+        # A save the last optimizer step asked for: (its training state, whether it stops the run).
+        self._pending: tuple[dict, bool] | None = None
         faults = config.faults
         launched = topology.launched
         self.watchdog = (
@@ -93,9 +96,16 @@ class Recovery:
                 "session.save() was called inside an accumulation window; "
                 "call it after the `with session.accumulate(model):` block"
             )
+        if self._pending is not None:
+            return self.flush()  # the save the last step asked for: this is its moment
+        return self._save(None)
+
+    def _save(self, at_step: dict | None) -> Path:
         objects = self.objects()
         if not objects.models:
             raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
+        if at_step is not None:
+            objects = dataclasses.replace(objects, state=_AtStep(self.state, at_step))
         self.resume_checked = True  # a run that saved has started; never resume over it later
         self.claim(create=True)
         with self._io():
@@ -103,6 +113,32 @@ class Recovery:
         self.agreement.saved()
         self.say(f"phalanx: saved checkpoint {path} (step {self.state.step})")
         return path
+
+    def flush(self) -> Path | None:
+        """Write the checkpoint the last optimizer step asked for (checkpoint.save_every, a timed
+        save, a pre-emption), at the script's next call into the Session after that step: by then
+        the script has finished the iteration, so the values it keeps (session.keep(): an iter_num
+        counted after session.step()) are the step's. The training state (RNG, data positions) is
+        the one the step left, taken then. Every rank calls it at the same place of the loop."""
+        if self._pending is None:
+            return None
+        at_step, stop = self._pending
+        self._pending = None
+        path = self._save(at_step)
+        if stop:
+            self._stopped_for_preemption(path)
+        return path
+
+    def dropped(self) -> str | None:
+        """The line for a save the last step asked for that never came (a script that ended
+        without session.close(), where writing it could wait for ranks that are gone)."""
+        if self._pending is None:
+            return None
+        self._pending = None
+        return (
+            f"phalanx: the checkpoint step {self.state.step} asked for was not written: the script ended without "
+            "session.close() (or `with phalanx.Session() as session:`); a resume goes on from the one before"
+        )
 
     def load(self, path: str | Path | None, weights_only: bool) -> Path:
         objects = self.objects()
@@ -268,13 +304,10 @@ class Recovery:
             self.watchdog.stepped()
         every = self.config.checkpoint.save_every
         stop, timed = self.agreement.poll(self.state.step, bool(self.term and self.term.requested))
-        if stop:
-            self._stop_for_preemption()
-        if timed or (isinstance(every, int) and self.state.step % every == 0):
-            self.save()
+        if stop or timed or (isinstance(every, int) and self.state.step % every == 0):
+            self._pending = (self.state.state_dict(kept=False), stop)  # written at flush()
 
-    def _stop_for_preemption(self) -> None:
-        path = self.save()
+    def _stopped_for_preemption(self, path: Path) -> None:
         record = markers.path(self.run_dir, markers.PREEMPTED)
         if self.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
             checkpoint_files.write_json_atomic(record, {"step": self.state.step, "checkpoint": str(path.resolve())})
@@ -293,3 +326,17 @@ class Recovery:
 
     def _io(self) -> contextlib.AbstractContextManager:
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+
+
+class _AtStep:
+    """The training state of a checkpoint written after its step: as the step left it, with the
+    values the script keeps (session.keep) as they are now."""
+
+    def __init__(self, state: TrainState, at_step: dict):
+        self.state, self.at_step = state, at_step
+
+    def state_dict(self) -> dict:
+        return {**self.at_step, **self.state.kept_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)

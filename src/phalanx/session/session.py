@@ -436,6 +436,7 @@ class Session:
             for loader in self._loaders:
                 loader.set_epoch(epoch)
             yield epoch
+            self._recovery.flush()  # a save the epoch's last step asked for
             if self.state.micro:
                 self._discard_partial_window()
         self.state.epoch = total
@@ -471,6 +472,7 @@ class Session:
         micro-step of each global batch."""
         if not self._recovery.resume_checked:
             self._recovery.ensure_resumed()
+        self._recovery.flush()  # the save the last step asked for, now that its iteration is done
         self._recovery.beat()
         # A forward may hold several of the loader's micro-batches (batch.adaptive joins them):
         # micro-steps count micro-batches, so the window and the loss's share stay the plan's.
@@ -500,6 +502,8 @@ class Session:
                 "put the forward and session.backward(loss) inside `with session.accumulate(model):`"
             )
         self._recovery.refuse_late_resume("session.backward()")
+        if not self._in_accumulate:
+            self._recovery.flush()
         weighted = items is not None
         if weighted and not self.strategy.weighs_items:
             raise PhalanxError(
@@ -546,6 +550,7 @@ class Session:
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
         self._recovery.refuse_late_resume("session.step()")
+        self._recovery.flush()
         self._refuse_bypassed_backward()
         self._guards.check_schedulers()
         estimated = self.metrics.noise_estimated = self.noise.measuring(self.state.step)
@@ -655,6 +660,8 @@ class Session:
     def _on_batch(self, loader: DeviceLoader) -> None:
         self._active_loader = loader
         self._roles.on_batch(loader)
+        if loader.train:  # every rank draws its training batches in step (evaluation may be rank 0's alone)
+            self._recovery.flush()
         if loader.group is not None:  # only a training loader's batches are joined; evaluation's never count
             self._joined_batch = loader.last_group
         self._recovery.beat()
@@ -695,6 +702,7 @@ class Session:
         return {"data_parallel_size": dp, "world_size": self.world_size, "comm_device": self.topology.comm_device}
 
     def barrier(self) -> None:
+        self._recovery.flush()
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
         self._recovery.beat()
@@ -750,6 +758,12 @@ class Session:
     def close(self, *, sync: bool = True) -> None:
         """Leave the process group; ``sync`` waits for every rank first (see Strategy.teardown)."""
         if not self._closed:
+            if sync:
+                self._recovery.flush()  # the run's last step asked for a checkpoint
+            else:
+                dropped = self._recovery.dropped()
+                if dropped:
+                    self.print(dropped)
             self._closed = True
             problem = self._items.close()
             if problem:

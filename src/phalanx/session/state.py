@@ -69,7 +69,7 @@ class TrainState:
     def positions(self) -> list[dict[str, Any]]:
         return [{"epoch": loader.epoch, "position": loader.position} for loader in self.loaders]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, kept: bool = True) -> dict[str, Any]:
         """This rank's state; ``rng`` differs between ranks, the rest is the same on every rank.
         Taken on the last step of an epoch (every training loader's pass is done), it is the state
         at the start of the next one: a resume goes on there, not into an empty pass."""
@@ -78,13 +78,19 @@ class TrainState:
             data = [{"epoch": loader.epoch + 1, "position": 0} for loader in self.loaders]
             epoch += 1
         state = {"step": self.step, "epoch": epoch, "data": data, "rng": rng.capture(self.device)}
-        if self.kept:
-            state["kept"] = {k: v for kept in self.kept for k, v in kept.state_dict().items()}
+        if kept:
+            state.update(self.kept_state())
         if self.noise is not None:
             state["noise_scale"] = self.noise.state_dict()
         if self.adaptive is not None:
             state["adaptive_batch"] = self.adaptive.state_dict()
         return state
+
+    def kept_state(self) -> dict[str, Any]:
+        """session.keep()'s values as they are now (none kept: nothing)."""
+        if not self.kept:
+            return {}
+        return {"kept": {k: v for kept in self.kept for k, v in kept.state_dict().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """``rng`` may be None (a checkpoint of another process count): the generators start fresh.
