@@ -95,3 +95,40 @@ def test_a_save_every_checkpoint_holds_the_count_the_script_makes_after_the_step
 
     assert run(3) == (0, 0, 3, 3)
     assert run(6) == (3, 3, 6, 6)  # resumed at step 3 with iter_num 3; 6 steps in all
+
+
+def test_starting_weights_given_after_a_resumed_setup_do_not_replace_the_checkpoints(tmp_path, capsys):
+    from torch import nn
+
+    from phalanx import Config, Session
+
+    pretrained = {"weight": torch.full((1, 2), 7.0), "bias": torch.zeros(1)}
+
+    def session_and_model():
+        session = Session(
+            Config(),
+            batch={"global_batch_size": 4},
+            train={"progress": False, "metrics": False},
+            checkpoint={"dir": str(tmp_path / "ck")},
+        )
+        model = nn.Linear(2, 1)
+        model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return session, model
+
+    session, model = session_and_model()
+    session.load_weights(pretrained)  # a fine-tuning start
+    session.backward(model(torch.ones(4, 2)).pow(2).mean())
+    session.step()
+    trained = {k: v.clone() for k, v in session.model_state_dict().items()}
+    session.save()
+    session.close()
+
+    session, model = session_and_model()  # resumed at setup()
+    capsys.readouterr()
+    session.load_weights(pretrained)
+    session.load(tmp_path / "ck", weights_only=True)
+    out = capsys.readouterr().out
+    assert out.count("skipped: this run resumed from") == 2
+    for key, value in trained.items():
+        assert torch.equal(session.model_state_dict()[key], value), key
+    session.close()

@@ -13,6 +13,7 @@ from phalanx.session.state import TrainState
 class FakeLoader:
     def __init__(self, epoch: int = 0, position: int | None = None, length: int = 64):
         self.epoch, self.position, self.length = epoch, position, length
+        self.passing = 0  # no pass is being iterated
 
     def resume_at(self, epoch: int, position: int | None) -> None:
         self.epoch, self.position = epoch, position
@@ -76,21 +77,32 @@ def test_a_checkpoint_of_another_process_count_leaves_rng_alone():
 
 def test_a_state_taken_at_an_epochs_end_is_the_next_epochs_start():
     saved = TrainState(torch.device("cpu"))
-    saved.step, saved.epoch = 8, 1
-    saved.add_loader(FakeLoader(1, 64))  # every sample of epoch 1 handed out
+    saved.step, saved.epoch, saved.epochs_driven = 8, 1, True
+    loader = FakeLoader(1, 64)  # every sample of epoch 1 handed out
+    saved.add_loader(loader)
+    loader.passing = 1  # still inside the last pass (a save in the loop body): that epoch replays
+    assert saved.state_dict()["epoch"] == 1
+    loader.passing = 0  # the pass has ended: what is saved is the next epoch's start
     torch.manual_seed(3)
     state = saved.state_dict()
     expected = torch.rand(2)
-    assert (state["epoch"], state["data"]) == (2, [{"epoch": 2, "position": 0}])
+    assert (state["epoch"], state["data"], state["epoch_start"]) == (2, [{"epoch": 2, "position": 0}], True)
 
     fresh = TrainState(torch.device("cpu"))
-    loader = FakeLoader()
-    fresh.add_loader(loader)
-    torch.manual_seed(99)
+    resumed = FakeLoader()
+    fresh.add_loader(resumed)
     fresh.load_state_dict(state)
-    # The next pass has not drawn its seed yet, as in the uninterrupted run: the generators are back now.
+    torch.manual_seed(99)
+    fresh.restore_rng()  # a pass's start is not where these generators belong
+    fresh.restore_rng(at_epoch=True)  # session.epochs() beginning epoch 2 is
     assert torch.equal(torch.rand(2), expected)
-    assert (fresh.epoch, loader.epoch, loader.position) == (2, 2, 0)
+    assert (fresh.epoch, resumed.epoch, resumed.position) == (2, 2, 0)
+
+
+def test_a_loop_without_session_epochs_never_moves_to_the_next_epoch():
+    saved = TrainState(torch.device("cpu"))
+    saved.add_loader(FakeLoader(0, 64))  # `while ...: for batch in loader:` keeps epoch 0's order
+    assert saved.state_dict()["data"] == [{"epoch": 0, "position": 64}]
 
 
 def test_a_loader_set_up_after_the_resume_gets_its_position():

@@ -169,6 +169,7 @@ class Checkpointer:
                     "noise_scale": _noise_state(trainer.get("noise_scale")),
                     "adaptive_batch": _adaptive_state(trainer.get("adaptive_batch"), directory / TRAINER),
                     "kept": trainer.get("kept"),  # session.keep()'s values
+                    "epoch_start": trainer.get("epoch_start", False),
                 }
             )
         return manifest

@@ -54,6 +54,7 @@ class Recovery:
             on_loaded,
         )
         self.resume_checked = False
+        self.resumed_from: Path | None = None  # the checkpoint this run continues
         # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
         self.identity = RunIdentity.of_session(config, type(checkpointer.strategy).counted_settings())
         self._decided = False
@@ -124,6 +125,10 @@ class Recovery:
             return None
         at_step, stop = self._pending
         self._pending = None
+        if self.state.at_epoch_end():
+            # The epoch's passes have ended since the step, and the code after them has run: the
+            # state now is the next epoch's start (state.py), generators included.
+            at_step = self.state.state_dict(kept=False)
         path = self._save(at_step)
         if stop:
             self._stopped_for_preemption(path)
@@ -150,6 +155,9 @@ class Recovery:
             path = self.latest()
             if path is None:
                 raise PhalanxError(f"no checkpoint in '{self.root}' to load; pass a path, or save one first")
+        if weights_only and self.resumed_from is not None:
+            self.say(self.after_resume(f"session.load({str(path)!r}, weights_only=True)"))
+            return self.resumed_from
         self.resume_checked = True
         with self._io():
             manifest = self.checkpointer.load(Path(path), objects, weights_only=weights_only, say=self.say)
@@ -158,8 +166,17 @@ class Recovery:
         if weights_only:
             self.say(f"phalanx: loaded the weights of {where}")
         else:
+            self.resumed_from = where
             self.say(f"phalanx: resumed from {where}: {progress_words(manifest)}")
         return where
+
+    def after_resume(self, what: str) -> str:
+        """The line for starting weights (pretrained, a fine-tuning start) given after the run resumed:
+        the checkpoint's weights are the run's, so they are not replaced."""
+        return (
+            f"phalanx: {what} skipped: this run resumed from {self.resumed_from}, whose weights are the run's "
+            "(loading the starting weights now would undo its training); set checkpoint.resume: never to start over"
+        )
 
     def claim(self, *, create: bool) -> None:
         """Make sure this job owns the checkpoint directory (see checkpoint/lock.py); a collective.

@@ -141,7 +141,7 @@ class Session:
             self.state,
             self._checkpointed,
             self.print,
-            self._guards.mark_schedulers,
+            self._after_load,
             job=self._context.job if self._context else None,
         )
         # Tear the process group down even when the user's script raises.
@@ -233,6 +233,10 @@ class Session:
         of weight files. Rank 0 reads it one tensor at a time, shard after shard, and broadcasts each;
         every rank keeps its share (its shards, its stage). ``strict=False`` skips missing and
         unexpected keys, as ``load_state_dict`` does; shapes must match either way."""
+        if self._recovery.resumed_from is not None:
+            self._weights.filled()
+            self.print(self._recovery.after_resume("session.load_weights(...)"))
+            return
         self._weights.load(model, source, strict=strict)
         if self._memory_cap is not None:
             self._memory_cap.check("loading holds one tensor at a time on top of the model: raise the cap")
@@ -377,6 +381,10 @@ class Session:
         self._optimizers.append(optimizer)
         return optimizer
 
+    def _after_load(self) -> None:
+        self._guards.mark_schedulers()
+        self._weights.filled()  # a checkpoint fills every tensor, uninitialised ones too
+
     def _micro_steps_before(self) -> int:
         return self.state.micro - (self._forward_micro if self._in_accumulate else 0)
 
@@ -429,12 +437,14 @@ class Session:
         total = self.config.train.epochs if epochs is None else epochs
         self._recovery.ensure_resumed()
         self._counted = True  # the loop's length is phalanx's
+        self.state.epochs_driven = True
         for epoch in range(self.state.epoch, total):
             if self._step_limit.reached():
                 return  # the epoch stays where training stopped: a resume with a higher limit goes on from there
             self.state.epoch = epoch
             for loader in self._loaders:
                 loader.set_epoch(epoch)
+            self.state.restore_rng(at_epoch=True)  # a checkpoint of this epoch's start: its generators
             yield epoch
             self._recovery.flush()  # a save the epoch's last step asked for
             if self.state.micro:

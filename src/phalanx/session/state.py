@@ -31,6 +31,9 @@ class Resumable(Protocol):
 
     def epoch_done(self) -> bool: ...
 
+    @property
+    def passing(self) -> int: ...
+
 
 class TrainState:
     def __init__(self, device: torch.device):
@@ -45,6 +48,8 @@ class TrainState:
         self.kept: list[Kept] = []  # session.keep(): the script's own values (session/kept.py)
         self._pending_kept: dict[str, Any] = {}  # a checkpoint's kept values, for keep() calls to come
         self.resumed = False
+        self.epochs_driven = False  # session.epochs() runs the loop (so a finished pass means the next epoch)
+        self._rng_at_epoch = False  # the pending generators wait for the next epoch's start, not a pass's
         # Set by the batch owner (batch_plan.py): the noise scale's moving averages and batch.adaptive's
         # choices resume with the run.
         self.noise: NoiseProbe | None = None
@@ -69,15 +74,28 @@ class TrainState:
     def positions(self) -> list[dict[str, Any]]:
         return [{"epoch": loader.epoch, "position": loader.position} for loader in self.loaders]
 
+    def at_epoch_end(self) -> bool:
+        """session.epochs() runs the loop and every training loader's pass is over: what remains of
+        the epoch is the script's code after its inner loop, and then the next epoch."""
+        return (
+            self.epochs_driven
+            and bool(self.loaders)
+            and all(loader.epoch_done() and not loader.passing for loader in self.loaders)
+        )
+
     def state_dict(self, *, kept: bool = True) -> dict[str, Any]:
         """This rank's state; ``rng`` differs between ranks, the rest is the same on every rank.
-        Taken on the last step of an epoch (every training loader's pass is done), it is the state
-        at the start of the next one: a resume goes on there, not into an empty pass."""
+        Taken after an epoch's passes ended (at_epoch_end), it is the state at the start of the next
+        epoch: a resume goes on there, not into an empty pass of the finished one. Taken inside the
+        last pass (a save in the loop body), the resume replays that empty pass and the code after it."""
         data, epoch = self.positions(), self.epoch
-        if self.loaders and all(loader.epoch_done() for loader in self.loaders):
+        ended = self.at_epoch_end()
+        if ended:
             data = [{"epoch": loader.epoch + 1, "position": 0} for loader in self.loaders]
             epoch += 1
         state = {"step": self.step, "epoch": epoch, "data": data, "rng": rng.capture(self.device)}
+        if ended:
+            state["epoch_start"] = True
         if kept:
             state.update(self.kept_state())
         if self.noise is not None:
@@ -111,12 +129,18 @@ class TrainState:
             self.noise.load_state_dict(state.get("noise_scale"))
         if self.adaptive is not None:
             self.adaptive.load_state_dict(state.get("adaptive_batch"))
-        # The saved generators come after the saved pass drew its loader seed; a pass yet to start (a
-        # checkpoint at an epoch's end, or none at all) draws after them, so they are restored now.
-        if not state["data"] or all(position["position"] == 0 for position in state["data"]):
+        # The saved generators come after the saved pass drew its loader seed (restored when the next
+        # pass has drawn it, as on_iterating calls restore_rng); at an epoch's start they come before
+        # the next epoch, restored when session.epochs() begins it; with no loader at all, now.
+        self._rng_at_epoch = bool(state.get("epoch_start"))
+        if not state["data"]:
             self.restore_rng()
 
-    def restore_rng(self) -> None:
+    def restore_rng(self, *, at_epoch: bool = False) -> None:
+        """``at_epoch``: session.epochs() starts an epoch (a pass start otherwise): generators saved at
+        an epoch's start wait for that, those saved inside a pass for a pass."""
+        if at_epoch != self._rng_at_epoch:
+            return
         if self._pending_rng is not None:
             state, self._pending_rng = self._pending_rng, None
             rng.restore(state, self.device)

@@ -64,6 +64,12 @@ class Weights:
 
         handle = wrapped.register_forward_pre_hook(refuse)
 
+    def filled(self) -> None:
+        """Every set-up model's weights came from a checkpoint (a resume): none is uninitialised."""
+        for wrapped in self._models:
+            uninitialised = self.strategy.uninitialised(self._roots.get(id(wrapped), wrapped))
+            self._loaded.setdefault(id(wrapped), set()).update(n for names in uninitialised.values() for n in names)
+
     def pending(self, wrapped: nn.Module) -> dict[str, list[str]]:
         """Modules of a returned model whose uninitialised tensors are not all loaded yet."""
         loaded = self._loaded.get(id(wrapped), set())
