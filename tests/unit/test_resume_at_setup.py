@@ -36,9 +36,8 @@ def test_kept_values_are_checked_and_named():
     assert kept.state_dict() == {"iter_num": 3, "best": float("inf")}
     with pytest.raises(PhalanxError, match=r"holds iter_num, best, not 'iter'"):
         kept.iter = 1
-    kept.best = object()
     with pytest.raises(PhalanxError, match="best is a object, which a checkpoint cannot hold safely"):
-        kept.state_dict()
+        kept.best = object()  # refused when it is set, not at a save hours later
     ema = torch.nn.Linear(2, 2)
     stateful = Kept({"ema": ema})
     saved = {k: v.clone() for k, v in stateful.state_dict()["ema"].items()}
@@ -131,4 +130,25 @@ def test_starting_weights_given_after_a_resumed_setup_do_not_replace_the_checkpo
     assert out.count("skipped: this run resumed from") == 2
     for key, value in trained.items():
         assert torch.equal(session.model_state_dict()[key], value), key
+    session.close()
+
+
+def test_session_step_inside_the_accumulate_block_is_refused():
+    from torch import nn
+
+    from phalanx import Config, Session
+
+    session = Session(
+        Config(),
+        batch={"global_batch_size": 4},
+        train={"progress": False, "metrics": False},
+        checkpoint={"resume": "never"},
+    )
+    model = nn.Linear(3, 1)
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(PhalanxError, match=r"session.step\(\) was called inside `with session.accumulate"):
+        with session.accumulate(model):
+            session.backward(model(torch.ones(4, 3)).mean())
+            if session.sync_gradients:
+                session.step()  # Accelerate's idiom: the block steps at its end already
     session.close()

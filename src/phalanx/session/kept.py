@@ -35,6 +35,8 @@ class Kept:
                 f"session.keep() holds {', '.join(self._values)}, not {name!r}; name every value the checkpoint "
                 f"should keep when calling it: session.keep({name}=...)"
             )
+        if not (_stateful(value) or _plain(value)):
+            raise _unkept(name, value)  # now, not at a save hours later
         self._values[name] = value
 
     def names(self) -> list[str]:
@@ -48,11 +50,7 @@ class Kept:
             elif _plain(value):
                 out[name] = value
             else:
-                raise PhalanxError(
-                    f"session.keep()'s {name} is a {type(value).__name__}, which a checkpoint cannot hold safely; keep "
-                    "numbers, strings, lists, dicts and tensors (e.g. float(x) for a NumPy number), or an object with "
-                    "state_dict() and load_state_dict()"
-                )
+                raise _unkept(name, value)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -66,6 +64,14 @@ class Kept:
 
     def __repr__(self) -> str:
         return "Kept(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+
+
+def _unkept(name: str, value: Any) -> PhalanxError:
+    return PhalanxError(
+        f"session.keep()'s {name} is a {type(value).__name__}, which a checkpoint cannot hold safely; keep numbers, "
+        "strings, lists, dicts and tensors (e.g. float(x) for a NumPy number), or an object with state_dict() and "
+        "load_state_dict()"
+    )
 
 
 def _plain(value: Any) -> bool:

@@ -57,7 +57,6 @@ class Recovery:
         self.resumed_from: Path | None = None  # the checkpoint this run continues
         # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
         self.identity = RunIdentity.of_session(config, type(checkpointer.strategy).counted_settings())
-        self._decided = False
         # A save the last optimizer step asked for: (its training state, whether it stops the run).
         self._pending: tuple[dict, bool] | None = None
         faults = config.faults
@@ -240,13 +239,14 @@ class Recovery:
             return
         path = self._resume_target(quiet=True)
         if path is None:
-            if self._decided:
-                self.resume_checked = True  # nothing to resume: the run starts fresh
+            self.resume_checked = True  # nothing to resume: the run starts fresh
             return
         held = self._holds(path)
         objects = self.objects()
         here = (len(objects.models), optimizer_names(objects), len(objects.schedulers))
-        if held is not None and held[:2] == here[:2] and held[2] in (None, here[2]):
+        # A checkpoint that does not say how many schedulers it holds waits for the first training
+        # action, as before the count was recorded: one may still be set up.
+        if held is not None and held == here:
             self.resume_checked = True
             if self.topology.restart_count:
                 self.say(f"phalanx: restart {self.topology.restart_count} after a failure")
@@ -269,13 +269,10 @@ class Recovery:
             )
 
     def _resume_target(self, *, quiet: bool = False) -> Path | None:
-        """The checkpoint this run continues from, or None (and ``_decided``: whether that answer is
-        final, i.e. does not depend on what is set up later). A collective."""
-        self._decided = False
+        """The checkpoint this run continues from, or None. A collective."""
         self.claim(create=False)
         spec, restart = self.config.checkpoint.resume, self.topology.restart_count
         if spec == "never" and not restart:
-            self._decided = True
             return None
         if spec == "auto" or restart:
             # After a restart, resume.never still means "not from an earlier launch".
@@ -283,8 +280,7 @@ class Recovery:
             if path is None and spec not in ("auto", "never"):
                 path = Path(spec)  # restarted before this launch saved: back to the given checkpoint
             if path is None:
-                self._decided = True
-                if restart and not quiet:
+                if restart:
                     self.say(
                         f"phalanx: restart {restart}: no checkpoint in '{self.root}' yet; starting from the beginning"
                     )

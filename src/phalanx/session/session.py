@@ -204,7 +204,7 @@ class Session:
 
     @property
     def lr_multiplier(self) -> float:
-        return self._batch.lr_multiplier(self.step_count)
+        return self._batch.lr_multiplier(self.state.step)
 
     @property
     def noise(self) -> NoiseProbe:
@@ -259,7 +259,7 @@ class Session:
         out: list[Any] = [None] * len(objects)
         roles = self._roles.classify(objects, self._loaders)
         given = {i: shuffles(obj) for i, obj in enumerate(objects) if isinstance(obj, DataLoader)}
-        capped = self._memory_cap is not None and self.step_count == 0
+        capped = self._memory_cap is not None and self.state.step == 0
         if capped:
             self._memory_cap.begin_setup()
         for i in order:
@@ -348,7 +348,7 @@ class Session:
             wrapped.group, wrapped.say = self._batch.micro_batches_per_forward, self.print
             wrapped.join_strictly = self.strategy.shards.parameters  # each forward gathers them
         if train:
-            wrapped.on_start = lambda _: self._recovery.ensure_resumed()
+            wrapped.on_start = self._training_pass_starts
             wrapped.on_iterating = lambda _: self.state.restore_rng()
             self.state.add_loader(wrapped)
             wrapped.stop_when = self._step_limit.reached
@@ -380,6 +380,10 @@ class Session:
         self._guards.guard_optimizer(optimizer)
         self._optimizers.append(optimizer)
         return optimizer
+
+    def _training_pass_starts(self, _: DeviceLoader) -> None:
+        self._counted = True  # its pass goes on from the checkpoint's position: the loop's length follows
+        self._recovery.ensure_resumed()
 
     def _after_load(self) -> None:
         self._guards.mark_schedulers()
@@ -560,6 +564,12 @@ class Session:
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
         self._recovery.refuse_late_resume("session.step()")
+        if self._in_accumulate:
+            raise PhalanxError(
+                "session.step() was called inside `with session.accumulate(model):`, whose end steps already "
+                "(the optimizer would step twice per global batch); remove it, or call session.backward(loss) and "
+                "session.step() without the block"
+            )
         self._recovery.flush()
         self._refuse_bypassed_backward()
         self._guards.check_schedulers()
@@ -603,7 +613,7 @@ class Session:
             lr = base[0][0] * multiplier if base else None
             self.metrics.noise_scale = self.noise.value
             self.metrics.record(
-                stepped, self.step_count, self.epoch, self._batch.global_batch_size, self._last_loss, lr
+                stepped, self.state.step, self.epoch, self._batch.global_batch_size, self._last_loss, lr
             )
         finally:
             self._guards.in_step = False
@@ -728,7 +738,7 @@ class Session:
         if not self.is_main:
             return
         values = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
-        record = {"time": time.time(), "step": self.step_count, "epoch": self.epoch, **values}
+        record = {"time": time.time(), "step": self.state.step, "epoch": self.epoch, **values}
         print("  ".join(f"{k} {_fmt(v)}" for k, v in values.items()), flush=True)
         if self._context and self._context.run_dir:
             with open(f"{self._context.run_dir}/metrics.jsonl", "a", encoding="utf-8") as fh:
