@@ -286,7 +286,8 @@ class Recovery:
                     )
                 return None
             if spec == "auto":
-                self.identity.check_resume(path, self.topology, self.run_dir, self.say)
+                batch = self.objects().facts.get("global_batch_size")
+                self.identity.check_resume(path, self.topology, self.run_dir, self.say, batch)
         else:
             path = Path(spec)
         if restart and not quiet:
