@@ -33,6 +33,24 @@ class Result:
         return self.stdout + self.stderr
 
 
+def finish(proc: subprocess.Popen, tag: dict, timeout: float) -> tuple[str, str]:
+    """The output of ``proc`` (started in a session of its own, its environment carrying ``tag``),
+    after it ends or, at ``timeout``, is killed with its group (a failed test); then every process
+    of the job, wherever it went, is killed too."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, proc.args))} did not finish in {timeout}s\n{out}\n{err}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished job, if any
+        except ProcessLookupError:
+            pass
+        kill_tagged(tag)
+
+
 def run_phalanx(*args: str, cwd: Path, timeout: float = 180, env: dict | None = None) -> Result:
     """``phalanx ARGS`` in its own process group; on timeout the whole group is killed, and every
     process the job started (workers live in sessions of their own) whatever happened."""
@@ -46,18 +64,7 @@ def run_phalanx(*args: str, cwd: Path, timeout: float = 180, env: dict | None = 
         start_new_session=True,
         env={**os.environ, **(env or {}), **tag},
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"phalanx {' '.join(args)} did not finish in {timeout}s\n{out}\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished job, if any
-        except ProcessLookupError:
-            pass
-        kill_tagged(tag)
+    out, err = finish(proc, tag, timeout)
     return Result(proc.returncode, out, err)
 
 

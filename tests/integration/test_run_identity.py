@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import run_phalanx
-from tests.helpers.processes import kill_tagged, new_tag
+from tests.helpers.cli import finish, run_phalanx
+from tests.helpers.processes import new_tag
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,21 +55,6 @@ def _popen(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
     )
 
 
-def _end(proc: subprocess.Popen, tag: dict, timeout: float) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(proc.args)} did not finish in {timeout}s\n{out}\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        kill_tagged(tag)
-
-
 @pytest.mark.timeout(240)
 def test_sigterm_checkpoint_resumes_the_same_command_and_refuses_a_changed_one(tmp_path):
     script = tmp_path / "train.py"
@@ -84,7 +69,7 @@ def test_sigterm_checkpoint_resumes_the_same_command_and_refuses_a_changed_one(t
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)  # after the first step, to the launcher only, as a scheduler would
     finally:
-        out, err = _end(proc, tag, 90)
+        out, err = finish(proc, tag, 90)
     assert proc.returncode == 75, out + err
     (checkpoint,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")]
     step = int(checkpoint.name.removeprefix("step-"))
@@ -114,12 +99,12 @@ def test_plain_torchrun_refuses_on_every_rank_at_setup(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **tag}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     first = _popen(torchrun, tmp_path, env)
-    out, err = _end(first, tag, 120)
+    out, err = finish(first, tag, 120)
     assert first.returncode == 0 and "finished at step 4" in out, out + err
 
     config.write_text("checkpoint: {save_every: 4}\ntrain: {max_steps: 8, seed: 5}\n")  # max_steps does not count
     again = _popen(torchrun, tmp_path, env)
-    out, err = _end(again, tag, 120)
+    out, err = finish(again, tag, 120)
     assert again.returncode != 0, out + err
     refusals = [line for line in (out + err).splitlines() if "belongs to another run: train.seed: 0 -> 5;" in line]
     assert len(refusals) == 2, out + err  # each rank's own PhalanxError, the same line
