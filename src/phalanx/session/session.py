@@ -57,6 +57,7 @@ from phalanx.session.items import ItemWeighting, weighted_mean
 from phalanx.session.kept import Kept
 from phalanx.session.limit import StepLimit
 from phalanx.session.loader_roles import LoaderRoles
+from phalanx.session.loop_checks import LoopChecks
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
@@ -124,10 +125,8 @@ class Session:
         self._seeded = False  # the per-rank re-seed waits for the first model (see setup())
         self._announced: tuple | None = None  # what the console line and session.json last said
         self._step_limit = StepLimit(config.train.max_steps, lambda: self.state.step, self.print)
-        # Whether the loop's length can follow a resume: it reads step_count, keeps its own values,
-        # stops at train.max_steps or runs session.epochs() (see _say_if_uncounted).
-        self._counted = config.train.max_steps is not None
-        self._backwards = 0  # session.backward() calls in the current window
+        # The loop's own shape: backwards that bypass session.backward, a resumed count (loop_checks.py).
+        self._loop = LoopChecks(self.state, self.print, limited=config.train.max_steps is not None)
         run_dir = self._context.run_dir if self._context else None
         checkpointer = Checkpointer(
             self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last
@@ -167,7 +166,7 @@ class Session:
     @property
     def step_count(self) -> int:
         """Optimizer steps taken (restored by a resume: the checkpoint's once setup() returns)."""
-        self._counted = True
+        self._loop.follows_count()
         return self.state.step
 
     def keep(self, **values: Any) -> Kept:
@@ -175,14 +174,14 @@ class Session:
         every checkpoint and given back at resume: ``progress = session.keep(iter_num=0)``, then
         ``progress.iter_num += 1``. Called after a resumed setup(), it holds the checkpoint's values
         already (session/kept.py says what a value may be)."""
-        self._counted = True
+        self._loop.follows_count()
         return self.state.keep(values)
 
     @property
     def should_stop(self) -> bool:
         """True once ``train.max_steps`` optimizer steps are done (never without a limit): a loop
         that does not draw from a loader phalanx returned ends itself there."""
-        self._counted = True
+        self._loop.follows_count()
         return self._step_limit.reached()
 
     @property
@@ -382,7 +381,7 @@ class Session:
         return optimizer
 
     def _training_pass_starts(self, _: DeviceLoader) -> None:
-        self._counted = True  # its pass goes on from the checkpoint's position: the loop's length follows
+        self._loop.follows_count()  # its pass goes on from the checkpoint's position
         self._recovery.ensure_resumed()
 
     def _after_load(self) -> None:
@@ -440,7 +439,7 @@ class Session:
         """Yield epoch numbers, reshuffling every training loader (``set_epoch``) for each."""
         total = self.config.train.epochs if epochs is None else epochs
         self._recovery.ensure_resumed()
-        self._counted = True  # the loop's length is phalanx's
+        self._loop.follows_count()  # the loop's length is phalanx's
         self.state.epochs_driven = True
         for epoch in range(self.state.epoch, total):
             if self._step_limit.reached():
@@ -526,7 +525,7 @@ class Session:
             )
         self._roles.check_backward()
         self._items.begin(weighted)
-        self._backwards += 1
+        self._loop.backward_called()
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
         first = self.state.micro == joined
@@ -571,7 +570,7 @@ class Session:
                 "session.step() without the block"
             )
         self._recovery.flush()
-        self._refuse_bypassed_backward()
+        self._loop.before_step(self.accumulation_steps, self._models)
         self._guards.check_schedulers()
         estimated = self.metrics.noise_estimated = self.noise.measuring(self.state.step)
         if self.config.optim.max_grad_norm is not None and self._gradients.clips_at_step():
@@ -592,7 +591,7 @@ class Session:
                     for group, lr in zip(opt.param_groups, lrs):
                         group["lr"] = lr
             if stepped:
-                self._say_if_uncounted()
+                self._loop.at_step()
                 self.state.step += 1
                 with warnings.catch_warnings():
                     # A sharding strategy steps a new optimizer built on the scheduler's param
@@ -621,35 +620,12 @@ class Session:
             self._unscaled = False
             self._items.reset()
             self._roles.window_done()
-            self._backwards = 0
+            self._loop.window_done()
         if self._memory_cap is not None:
             self._memory_cap.check()  # the optimizer's state appears at its first step
         if stepped:
             self._batch.after_step(self.metrics.last_times, estimated, self._optimizers)
         self._recovery.after_step()
-
-    def _refuse_bypassed_backward(self) -> None:
-        # loss.backward() instead of session.backward(loss): nothing divides by the micro-steps, and
-        # a session.step() after each micro-batch steps on every one of them.
-        steps = self.accumulation_steps
-        if steps > 1 and not self._backwards and any(p.grad is not None for m in self._models for p in m.parameters()):
-            raise PhalanxError(
-                f"the plan has {steps} micro-steps per optimizer step, but this step's gradients did not come through "
-                "session.backward(loss): loss.backward() bypasses the accumulation (each session.step() would step "
-                "on one micro-batch); call session.backward(loss) inside `with session.accumulate(model):`"
-            )
-
-    def _say_if_uncounted(self) -> None:
-        # Once, at a resumed run's first step: a loop that counts its own steps from 0 again trains
-        # the steps done before the stop a second time, and schedules its own LR from the wrong step.
-        if self.state.resumed and not self._counted:
-            self._counted = True
-            self.print(
-                f"phalanx: warning: this run resumed at step {self.state.step}, but nothing in the loop follows "
-                "phalanx's count (session.step_count, session.keep(), train.max_steps or session.epochs()); a loop "
-                "that counts its own steps starts again from 0: start it from session.step_count, or keep it with "
-                "progress = session.keep(iter_num=0)"
-            )
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
@@ -661,7 +637,7 @@ class Session:
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
         self._items.reset()
         self._roles.window_done()
-        self._backwards = 0
+        self._loop.window_done()
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
         self._gradients.after_step()

@@ -1,0 +1,60 @@
+"""What the Session checks about the script's loop itself, beyond each call.
+
+- The gradients of an accumulation window came through ``session.backward(loss)``: a
+  ``loss.backward()`` left in bypasses the division by the micro-steps, and a ``session.step()``
+  after each micro-batch would step on every one of them (refused at the step).
+- A resumed run's loop follows phalanx's count: it reads ``session.step_count``, keeps values with
+  ``session.keep()``, stops at ``train.max_steps``, runs ``session.epochs()`` or a training
+  loader's pass (which goes on from the checkpoint's position). A loop that does none of these
+  counts its own steps from 0 again, trains the steps done before the stop a second time and
+  schedules its own LR from the wrong step: one warning at its first step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from phalanx.errors import PhalanxError
+from phalanx.session.state import TrainState
+
+
+class LoopChecks:
+    def __init__(self, state: TrainState, print_main: Callable[..., None], *, limited: bool):
+        self.state = state
+        self.print_main = print_main
+        self.counted = limited  # train.max_steps ends the loop at phalanx's count
+        self.backwards = 0  # session.backward() calls in the current window
+
+    def follows_count(self) -> None:
+        self.counted = True
+
+    def backward_called(self) -> None:
+        self.backwards += 1
+
+    def window_done(self) -> None:
+        self.backwards = 0
+
+    def before_step(self, accumulation_steps: int, models: list[nn.Module]) -> None:
+        if (
+            accumulation_steps > 1
+            and not self.backwards
+            and any(p.grad is not None for m in models for p in m.parameters())
+        ):
+            raise PhalanxError(
+                f"the plan has {accumulation_steps} micro-steps per optimizer step, but this step's gradients did not "
+                "come through session.backward(loss): loss.backward() bypasses the accumulation (each session.step() "
+                "would step on one micro-batch); call session.backward(loss) inside `with session.accumulate(model):`"
+            )
+
+    def at_step(self) -> None:
+        """A step is taken (before it is counted): the resumed run's warning, once."""
+        if self.state.resumed and not self.counted:
+            self.counted = True
+            self.print_main(
+                f"phalanx: warning: this run resumed at step {self.state.step}, but nothing in the loop follows "
+                "phalanx's count (session.step_count, session.keep(), train.max_steps or session.epochs()); a loop "
+                "that counts its own steps starts again from 0: start it from session.step_count, or keep it with "
+                "progress = session.keep(iter_num=0)"
+            )
