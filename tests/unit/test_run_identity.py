@@ -429,18 +429,3 @@ def test_the_session_takes_the_launchers_script_and_records_its_view(tmp_path):
     identity = RunIdentity.of_session(Config.load(), "ddp", context)
     assert identity.record["script"] == launched["script"] and identity.record["launch"] == launched
     assert identity.record["settings"] == launched["settings"]
-
-
-def test_a_global_batch_that_another_process_count_changed_is_named(saved):
-    # Only batch.micro_batch_size is set: the global batch is micro x processes, and --nproc (which
-    # does not count) changed it.
-    from phalanx.checkpoint.run_identity import verdict
-
-    where = files.latest(saved)
-    manifest = json.loads((where / files.MANIFEST).read_text())
-    now, batch = manifest["run"], manifest["global_batch_size"]
-    assert verdict(where, now, None, False, global_batch=batch) == (None, None)
-    refusal, _ = verdict(where, now, None, False, global_batch=2 * batch)
-    assert f"the global batch: {batch} -> {2 * batch}" in refusal and f"batch.global_batch_size: {batch}" in refusal
-    adaptive = {**now, "settings": {**now["settings"], "batch.adaptive": "goodput"}}
-    assert all("global batch:" not in line for line in [verdict(where, adaptive, None, True, 2 * batch)[1] or ""])

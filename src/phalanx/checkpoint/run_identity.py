@@ -173,24 +173,15 @@ class RunIdentity:
         record = {"settings": counted_settings(config, strategy_keys), "script": script, "launch": launch}
         return cls(record, config.checkpoint.resume_any_run)
 
-    def check_resume(
-        self,
-        where: Path,
-        topology: Topology,
-        run_dir: str | None,
-        say: Callable[[str], None],
-        global_batch: int | None = None,
-    ) -> None:
+    def check_resume(self, where: Path, topology: Topology, run_dir: str | None, say: Callable[[str], None]) -> None:
         """Before ``checkpoint.resume: auto`` resumes ``where``; a collective. Rank 0 decides and every
-        rank raises the same PhalanxError, so none waits for a rank that stopped. Once per path.
-        ``global_batch``: this run's, where known (set from micro-batch x processes, another process
-        count changes it while no counted setting changes)."""
+        rank raises the same PhalanxError, so none waits for a rank that stopped. Once per path."""
         if str(where) in self._checked:
             return
         answer: tuple[str | None, str | None] = (None, None)
         if topology.is_main:
             try:
-                answer = verdict(where, self.record, run_dir, self.any_run, global_batch)
+                answer = verdict(where, self.record, run_dir, self.any_run)
             except PhalanxError as err:  # a damaged manifest: the same line everywhere
                 answer = (str(err), None)
         if topology.world_size > 1 and dist.is_initialized():
@@ -205,9 +196,7 @@ class RunIdentity:
             say(note)
 
 
-def verdict(
-    where: Path, now: dict[str, Any], run_dir: str | None, any_run: bool, global_batch: int | None = None
-) -> tuple[str | None, str | None]:
+def verdict(where: Path, now: dict[str, Any], run_dir: str | None, any_run: bool) -> tuple[str | None, str | None]:
     """(refusal, note) for the Session's resume of ``where``: a refusal when it belongs to another run
     (unless ``any_run``), a note when that could not be checked or ``any_run`` let it through."""
     manifest = files.read_manifest(where)
@@ -220,13 +209,6 @@ def verdict(
             "recorded their run: resuming it without checking that this run's settings and script are its own"
         )
     found = differences(run, now)
-    saved_batch = manifest.get("global_batch_size")
-    adaptive = (now.get("settings") or {}).get("batch.adaptive") is not None  # it changes the batch itself
-    if global_batch is not None and saved_batch is not None and saved_batch != global_batch and not adaptive:
-        found.append(
-            f"the global batch: {saved_batch} -> {global_batch} (micro-batch x processes: set "
-            f"batch.global_batch_size: {saved_batch} to keep it on this process count)"
-        )
     if not found:
         return None, None
     if any_run:

@@ -286,8 +286,7 @@ class Recovery:
                     )
                 return None
             if spec == "auto":
-                batch = self.objects().facts.get("global_batch_size")
-                self.identity.check_resume(path, self.topology, self.run_dir, self.say, batch)
+                self.identity.check_resume(path, self.topology, self.run_dir, self.say)
         else:
             path = Path(spec)
         if restart and not quiet:
