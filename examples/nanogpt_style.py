@@ -145,7 +145,7 @@ while progress.iter_num < args.max_iters:
         x, y = get_batch("train")
         loss = loss_of(model(x), y)
         session.backward(loss)  # no division: one micro-step
-        progress.iter_num += 1  # before the step, see below
+        progress.iter_num += 1  # before or after session.step(): a checkpoint holds it either way (data.md)
         session.step()
     else:
         for _ in range(session.accumulation_steps):
@@ -154,9 +154,7 @@ while progress.iter_num < args.max_iters:
                 loss = loss_of(model(x), y)
                 session.backward(loss)  # not loss / grad_accum: session.backward divides once
                 if session.sync_gradients:
-                    progress.iter_num += 1  # before the step, see below
-    # The counter moves before the step because a checkpoint the step itself writes (a SIGTERM's,
-    # or checkpoint.save_every's) holds the kept values as they are at that moment.
+                    progress.iter_num += 1  # before or after the step, as above
 
     if progress.iter_num % args.log_interval == 0:
         session.print(f"iter {progress.iter_num}: loss {loss.item():.4f}, lr {lr:.2e}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ class Recovery:
         # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
         self.identity = RunIdentity.of_session(config, type(checkpointer.strategy).counted_settings())
         # A save the last optimizer step asked for: (its training state, whether it stops the run).
-        self._pending: tuple[dict, bool] | None = None
+        self._pending: tuple[dict, list, bool] | None = None
         faults = config.faults
         launched = topology.launched
         self.watchdog = (
@@ -100,7 +100,7 @@ class Recovery:
             return self.flush()  # the save the last step asked for: this is its moment
         return self._save(None)
 
-    def _save(self, at_step: dict | None) -> Path:
+    def _save(self, at_step: dict | None, buffers: list | None = None) -> Path:
         objects = self.objects()
         if not objects.models:
             raise PhalanxError("session.save() needs a model: call session.setup(model, optimizer, ...) first")
@@ -108,7 +108,7 @@ class Recovery:
             objects = dataclasses.replace(objects, state=_AtStep(self.state, at_step))
         self.resume_checked = True  # a run that saved has started; never resume over it later
         self.claim(create=True)
-        with self._io():
+        with self._io(), _buffers_as_at_step(buffers or []):
             path = self.checkpointer.save(self.root, objects, run=self.identity.record)
         self.agreement.saved()
         self.say(f"phalanx: saved checkpoint {path} (step {self.state.step})")
@@ -116,19 +116,22 @@ class Recovery:
 
     def flush(self) -> Path | None:
         """Write the checkpoint the last optimizer step asked for (checkpoint.save_every, a timed
-        save, a pre-emption), at the script's next call into the Session after that step: by then
-        the script has finished the iteration, so the values it keeps (session.keep(): an iter_num
-        counted after session.step()) are the step's. The training state (RNG, data positions) is
-        the one the step left, taken then. Every rank calls it at the same place of the loop."""
+        save, a pre-emption) where the script keeps values with session.keep(), or where that step
+        ended the epoch's passes: at its next call into the Session after that step, when it has
+        finished the iteration, so that what it keeps (an iter_num counted after session.step()) is
+        the step's, and an epoch's closing code has run (the checkpoint is then the next epoch's
+        start). The training state (RNG, data
+        positions) and the models' buffers (a BatchNorm's statistics, which the next forward may
+        have moved) are the ones the step left, taken then. Every rank calls it at the same place."""
         if self._pending is None:
             return None
-        at_step, stop = self._pending
+        at_step, buffers, stop = self._pending
         self._pending = None
         if self.state.at_epoch_end():
             # The epoch's passes have ended since the step, and the code after them has run: the
-            # state now is the next epoch's start (state.py), generators included.
-            at_step = self.state.state_dict(kept=False)
-        path = self._save(at_step)
+            # state now is the next epoch's start (state.py), generators and buffers included.
+            at_step, buffers = self.state.state_dict(kept=False), None
+        path = self._save(at_step, buffers)
         if stop:
             self._stopped_for_preemption(path)
         return path
@@ -154,10 +157,12 @@ class Recovery:
             path = self.latest()
             if path is None:
                 raise PhalanxError(f"no checkpoint in '{self.root}' to load; pass a path, or save one first")
+        self.flush()  # a save the last step asked for belongs to the state before this load
         if weights_only and self.resumed_from is not None:
             self.say(self.after_resume(f"session.load({str(path)!r}, weights_only=True)"))
             return self.resumed_from
-        self.resume_checked = True
+        if not weights_only:
+            self.resume_checked = True  # starting weights do not cancel a resume that comes later
         with self._io():
             manifest = self.checkpointer.load(Path(path), objects, weights_only=weights_only, say=self.say)
         self.on_loaded()
@@ -317,8 +322,15 @@ class Recovery:
             self.watchdog.stepped()
         every = self.config.checkpoint.save_every
         stop, timed = self.agreement.poll(self.state.step, bool(self.term and self.term.requested))
-        if stop or timed or (isinstance(every, int) and self.state.step % every == 0):
-            self._pending = (self.state.state_dict(kept=False), stop)  # written at flush()
+        if not (stop or timed or (isinstance(every, int) and self.state.step % every == 0)):
+            return
+        if not (self.state.kept or self.state.ends_epoch()):
+            path = self._save(None)  # nothing the script keeps can change after the step: write it now
+            if stop:
+                self._stopped_for_preemption(path)
+            return
+        buffers = [(b, b.detach().clone()) for m in self.objects().models for b in m.buffers()]
+        self._pending = (self.state.state_dict(kept=False), buffers, stop)  # written at flush()
 
     def _stopped_for_preemption(self, path: Path) -> None:
         record = markers.path(self.run_dir, markers.PREEMPTED)
@@ -339,6 +351,21 @@ class Recovery:
 
     def _io(self) -> contextlib.AbstractContextManager:
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _buffers_as_at_step(buffers: list) -> Iterator[None]:
+    """The models' buffers as the step left them, for the save, and back after it. Their storage is
+    swapped, not written: a forward's graph may hold them (a BatchNorm's running statistics) until
+    the backward that comes after this save, and must find them untouched."""
+    now = [(b, b.data) for b, _ in buffers]
+    for b, then in buffers:
+        b.data = then
+    try:
+        yield
+    finally:
+        for b, current in now:
+            b.data = current
 
 
 class _AtStep:

@@ -232,6 +232,7 @@ class Session:
         of weight files. Rank 0 reads it one tensor at a time, shard after shard, and broadcasts each;
         every rank keeps its share (its shards, its stage). ``strict=False`` skips missing and
         unexpected keys, as ``load_state_dict`` does; shapes must match either way."""
+        self._recovery.flush()  # a save the last step asked for holds the weights before this load
         if self._recovery.resumed_from is not None:
             self._weights.filled()
             self.print(self._recovery.after_resume("session.load_weights(...)"))
@@ -698,7 +699,8 @@ class Session:
         return {"data_parallel_size": dp, "world_size": self.world_size, "comm_device": self.topology.comm_device}
 
     def barrier(self) -> None:
-        self._recovery.flush()
+        if not self.state.at_epoch_end():  # there, what the epoch's closing code does after it belongs in too
+            self._recovery.flush()
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
         self._recovery.beat()

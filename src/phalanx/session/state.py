@@ -77,11 +77,12 @@ class TrainState:
     def at_epoch_end(self) -> bool:
         """session.epochs() runs the loop and every training loader's pass is over: what remains of
         the epoch is the script's code after its inner loop, and then the next epoch."""
-        return (
-            self.epochs_driven
-            and bool(self.loaders)
-            and all(loader.epoch_done() and not loader.passing for loader in self.loaders)
-        )
+        return self.ends_epoch() and not any(loader.passing for loader in self.loaders)
+
+    def ends_epoch(self) -> bool:
+        """Under session.epochs(), every training loader has handed out its epoch's last batch (the
+        pass may still be running: the step of that batch)."""
+        return self.epochs_driven and bool(self.loaders) and all(loader.epoch_done() for loader in self.loaders)
 
     def state_dict(self, *, kept: bool = True) -> dict[str, Any]:
         """This rank's state; ``rng`` differs between ranks, the rest is the same on every rank.
