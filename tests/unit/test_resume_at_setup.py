@@ -152,3 +152,68 @@ def test_session_step_inside_the_accumulate_block_is_refused():
             if session.sync_gradients:
                 session.step()  # Accelerate's idiom: the block steps at its end already
     session.close()
+
+
+def _bn_run(ck, resume: str, save_every: int | None, steps: int = 6) -> dict:
+    """A backward+step loop on tensors in memory, BatchNorm in the model, a counter kept: an
+    automatic save waits for the next call, after the next forward moved the statistics."""
+    from torch import nn
+
+    from phalanx import Config, Session
+
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(steps, 8, 4, generator=g), torch.randn(steps, 8, 1, generator=g)
+    torch.manual_seed(0)
+    every = {"save_every": save_every} if save_every else {}
+    session = Session(
+        Config(),
+        batch={"global_batch_size": 8},
+        train={"progress": False, "metrics": False},
+        checkpoint={"dir": str(ck), "resume": resume, **every},
+    )
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model, _ = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    progress = session.keep(iter_num=0)
+    while progress.iter_num < steps:
+        i = progress.iter_num
+        session.backward(torch.nn.functional.mse_loss(model(xs[i]), ys[i]))
+        session.step()
+        progress.iter_num += 1
+    out = {k: v.clone() for k, v in session.model_state_dict().items()}
+    session.close()
+    return out
+
+
+def test_a_deferred_save_holds_the_buffers_of_its_step(tmp_path):
+    whole = _bn_run(tmp_path / "a", "never", 2)
+    resumed = _bn_run(tmp_path / "b", str(tmp_path / "a" / "step-00000002"), None)
+    for key, value in whole.items():  # running_mean, running_var and num_batches_tracked included
+        assert torch.equal(value, resumed[key]), key
+
+
+def test_a_weights_only_load_before_the_resume_does_not_cancel_it(tmp_path, capsys):
+    from torch import nn
+
+    from phalanx import Config, Session
+
+    def run(steps: int) -> tuple[int, int]:
+        session = Session(
+            Config(),
+            batch={"global_batch_size": 4},
+            train={"progress": False, "metrics": False},
+            checkpoint={"dir": str(tmp_path / "ck")},
+        )
+        model = session.setup(nn.Linear(2, 1))
+        if (tmp_path / "ck").exists():
+            session.load(tmp_path / "ck", weights_only=True)  # starting weights, before the optimizer is set up
+        session.setup(torch.optim.SGD(model.parameters(), lr=0.1))  # the resume waited for this
+        start = session.step_count
+        for _ in range(steps):
+            session.backward(model(torch.ones(4, 2)).pow(2).mean())
+            session.step()
+        session.save()
+        session.close()
+        return start, session.state.step
+
+    assert run(2) == (0, 2)
+    assert run(2) == (2, 4)  # resumed, though the script loaded starting weights before setting all up
