@@ -34,8 +34,9 @@ class LoaderRoles:
         self._trained = False  # a training loader handed out a batch in this accumulation window
         self._last: DeviceLoader | None = None
 
-    def classify(self, objects: tuple, set_up: list[DeviceLoader]) -> dict[int, bool]:
-        """Each DataLoader of one setup() call (by position): whether it trains."""
+    def classify(self, objects: tuple, set_up: list[DeviceLoader]) -> dict[int, tuple[bool, bool]]:
+        """Each DataLoader of one setup() call (by position): whether it trains, and whether only
+        the ordered rule made it train (it does not shuffle)."""
         places = [i for i, obj in enumerate(objects) if isinstance(obj, DataLoader)]
         given = [shuffles(objects[i]) for i in places]
         roles = loader_roles(
@@ -49,7 +50,7 @@ class LoaderRoles:
                 "(the first loader of a setup() call with an optimizer, where none shuffles); to evaluate with it, "
                 "set it up with session.setup_loader(loader, train=False)"
             )
-        return dict(zip(places, roles))
+        return {i: (train, train and not shuffled) for i, train, shuffled in zip(places, roles, given)}
 
     def before_setup(self, train: bool) -> None:
         """Before a training loader joins: refuse it where the ordered rule chose one already."""

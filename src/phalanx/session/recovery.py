@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -120,9 +120,9 @@ class Recovery:
         ended the epoch's passes: at its next call into the Session after that step, when it has
         finished the iteration, so that what it keeps (an iter_num counted after session.step()) is
         the step's, and an epoch's closing code has run (the checkpoint is then the next epoch's
-        start). The training state (RNG, data
-        positions) and the models' buffers (a BatchNorm's statistics, which the next forward may
-        have moved) are the ones the step left, taken then. Every rank calls it at the same place."""
+        start). The training state (RNG, data positions) and the models' buffers (a BatchNorm's
+        statistics, which the next forward may have moved) are the ones the step left, taken then.
+        Every rank calls it at the same place."""
         if self._pending is None:
             return None
         at_step, buffers, stop = self._pending
@@ -193,12 +193,7 @@ class Recovery:
                 self.lock.acquire()
             except PhalanxError as err:
                 refusal = str(err)
-        if self.topology.world_size > 1 and dist.is_initialized():
-            box = [(refusal, self.lock.held)]
-            dist.broadcast_object_list(box, src=0)
-            refusal, held = box[0]
-        else:
-            held = self.lock.held
+        refusal, held = self._rank0s((refusal, self.lock.held))
         if refusal is not None:
             raise PhalanxError(refusal)
         self._claimed = held  # not yet (no directory to resume from): the first save takes it
@@ -215,10 +210,7 @@ class Recovery:
                         found = None
             except PhalanxError as err:  # a damaged manifest: every rank raises it, none waits
                 refusal = str(err)
-        if self.topology.world_size > 1 and dist.is_initialized():
-            box = [(found, refusal)]
-            dist.broadcast_object_list(box, src=0)
-            found, refusal = box[0]
+        found, refusal = self._rank0s((found, refusal))
         if refusal is not None:
             raise PhalanxError(refusal)
         return found
@@ -233,7 +225,7 @@ class Recovery:
         self.resume_checked = True
         path = self._resume_target()
         if path is not None:
-            self.load(path, weights_only=False)
+            self._resume(path)
 
     def resume_if_set_up(self) -> None:
         """At the end of each setup() call: resume now when what is set up is what the checkpoint
@@ -242,7 +234,7 @@ class Recovery:
         (ensure_resumed), when the rest may be set up."""
         if self.resume_checked or not self.objects().models:
             return
-        path = self._resume_target(quiet=True)
+        path = self._resume_target()
         if path is None:
             self.resume_checked = True  # nothing to resume: the run starts fresh
             return
@@ -253,16 +245,14 @@ class Recovery:
         # action, as before the count was recorded: one may still be set up.
         if held is not None and held == here:
             self.resume_checked = True
-            if self.topology.restart_count:
-                self.say(f"phalanx: restart {self.topology.restart_count} after a failure")
-            self.load(path, weights_only=False)
+            self._resume(path)
 
     def refuse_late_resume(self, where: str) -> None:
         """At a backward or step before any resume point: a forward has run on weights the resume
         would replace, so resuming now would train one step wrong; say so instead."""
         if self.resume_checked or not self.objects().models:
             return
-        path = self._resume_target(quiet=True)
+        path = self._resume_target()
         self.resume_checked = path is None
         if path is not None:
             objects = self.objects()
@@ -273,7 +263,12 @@ class Recovery:
                 "session.epochs() or `with session.accumulate(model):`, or set checkpoint.resume: never"
             )
 
-    def _resume_target(self, *, quiet: bool = False) -> Path | None:
+    def _resume(self, path: Path) -> None:
+        if self.topology.restart_count:
+            self.say(f"phalanx: restart {self.topology.restart_count} after a failure")
+        self.load(path, weights_only=False)
+
+    def _resume_target(self) -> Path | None:
         """The checkpoint this run continues from, or None. A collective."""
         self.claim(create=False)
         spec, restart = self.config.checkpoint.resume, self.topology.restart_count
@@ -294,8 +289,6 @@ class Recovery:
                 self.identity.check_resume(path, self.topology, self.run_dir, self.say)
         else:
             path = Path(spec)
-        if restart and not quiet:
-            self.say(f"phalanx: restart {restart} after a failure")
         return path
 
     def _holds(self, path: Path) -> tuple | None:
@@ -310,11 +303,15 @@ class Recovery:
                 held = (len(manifest["models"]), manifest["optimizers"], manifest.get("schedulers"))
             except PhalanxError:
                 held = None
+        return self._rank0s(held)
+
+    def _rank0s(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a collective): what rank 0 decided, so none differs."""
         if self.topology.world_size > 1 and dist.is_initialized():
-            box = [held]
+            box = [value]
             dist.broadcast_object_list(box, src=0)
-            held = box[0]
-        return held
+            return box[0]
+        return value
 
     # -- at every optimizer step ----------------------------------------------------------------------
     def after_step(self) -> None:

@@ -40,7 +40,7 @@ from phalanx.errors import PhalanxError
 from phalanx.faults.lifeline import watch_launcher
 from phalanx.metrics.recorder import create_recorder
 from phalanx.runtime.compute import Compute
-from phalanx.runtime.data import DeviceLoader, shard_loader, shuffles
+from phalanx.runtime.data import DeviceLoader, shard_loader
 from phalanx.runtime.lr import LRScaling
 from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.runtime.precision import Precision
@@ -258,12 +258,11 @@ class Session:
         )
         out: list[Any] = [None] * len(objects)
         roles = self._roles.classify(objects, self._loaders)
-        given = {i: shuffles(obj) for i, obj in enumerate(objects) if isinstance(obj, DataLoader)}
         capped = self._memory_cap is not None and self.state.step == 0
         if capped:
             self._memory_cap.begin_setup()
         for i in order:
-            out[i] = self._setup_one(objects[i], roles.get(i, False), implicit=roles.get(i, False) != given.get(i))
+            out[i] = self._setup_one(objects[i], *roles.get(i, (False, False)))
         self._batch.finish_setup()
         if not self._seeded and self._models:
             # Every rank built the same initial weights from the same seed; from here on ranks
@@ -619,9 +618,7 @@ class Session:
             self._guards.in_step = False
             self.state.micro = 0
             self._unscaled = False
-            self._items.reset()
-            self._roles.window_done()
-            self._loop.window_done()
+            self._window_done()
         if self._memory_cap is not None:
             self._memory_cap.check()  # the optimizer's state appears at its first step
         if stepped:
@@ -636,12 +633,16 @@ class Session:
             "at the end of the epoch"
         )
         self.state.micro = 0  # first, so the zero_grad guard sees a deliberate reset
-        self._items.reset()
-        self._roles.window_done()
-        self._loop.window_done()
+        self._window_done()
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
         self._gradients.after_step()
+
+    def _window_done(self) -> None:
+        """An accumulation window ended (a step, or one dropped): what each collaborator kept of it goes."""
+        self._items.reset()
+        self._roles.window_done()
+        self._loop.window_done()
 
     def _loss_value(self) -> float | None:
         return float(self._last_loss) if self._last_loss is not None else None
