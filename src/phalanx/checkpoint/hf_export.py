@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 
 from phalanx.checkpoint import files, hf_model
 from phalanx.checkpoint.export import ModelTensors, open_checkpoint
-from phalanx.checkpoint.weights import WeightsFile, safetensors_ready
+from phalanx.checkpoint.weights import WeightsFile, safetensors_ready, write_failure
 from phalanx.errors import PhalanxError
 from phalanx.util.units import format_bytes
 
@@ -205,8 +205,8 @@ def _staging(out: Path) -> Iterator[Path]:
         done = True
     except (OSError, RuntimeError, SafetensorError) as err:
         raise PhalanxError(
-            f"cannot write '{out}' ({_reason(err)}); choose an output directory on a writable disk with enough free "
-            "space"
+            f"cannot write '{out}' ({write_failure(err)}); choose an output directory on a writable disk with "
+            "enough free space"
         ) from None
     finally:
         if not done:
@@ -220,14 +220,9 @@ def _put_back(old: Path, out: Path, err: OSError) -> None:
         os.rename(old, out)
     except OSError:
         raise PhalanxError(
-            f"cannot write '{out}' ({_reason(err)}), and the previous export could not be put back: it is in "
+            f"cannot write '{out}' ({write_failure(err)}), and the previous export could not be put back: it is in "
             f"'{old}'; rename it to '{out}'"
         ) from None
-
-
-def _reason(err: Exception) -> str:
-    lines = str(err).strip().splitlines() or [type(err).__name__]
-    return err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
 
 
 def _save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:

@@ -356,15 +356,21 @@ def atomic_output(out: Path) -> Iterator[Path]:
         os.replace(tmp, out)
         done = True
     except (OSError, RuntimeError, SafetensorError) as err:
-        lines = str(err).strip().splitlines() or [type(err).__name__]
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
         raise PhalanxError(
-            f"cannot write '{out}' ({reason}); choose an output path in a writable directory with enough free space"
+            f"cannot write '{out}' ({write_failure(err)}); choose an output path in a writable directory with "
+            "enough free space"
         ) from None
     finally:
         if not done:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+def write_failure(err: Exception) -> str:
+    """Why a write failed, in a few words: the system's reason (``No space left on device``), or the
+    last line of what a writer raised."""
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    return err.strerror if isinstance(err, OSError) and err.strerror else lines[-1]
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

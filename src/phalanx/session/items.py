@@ -57,10 +57,10 @@ class ItemWeighting:
     """One per Session: the items and loss of the current accumulation window, and the step's
     rescaling of the synchronised gradients."""
 
-    def __init__(self, data_parallel_size: int, comm_device: torch.device, collective: bool):
+    def __init__(self, data_parallel_size: int, comm_device: torch.device):
         self.dp = data_parallel_size
         self.comm_device = comm_device
-        self.collective = collective  # a process group to all-reduce over (dp > 1)
+        self.collective = data_parallel_size > 1  # several ranks to all-reduce over
         self.unit: float | None = None
         self.weighted: bool | None = None  # this window's backwards give items (None: none yet)
         self._local: list[tuple[Any, torch.Tensor]] = []  # (items, detached loss) per micro-step
@@ -230,7 +230,7 @@ def weighted_mean(value: Any, items: Any, *, data_parallel_size: int, comm_devic
     mean = torch.as_tensor(value.detach() if not as_number else value, dtype=torch.float64).to(comm_device)
     count = torch.as_tensor(items.detach() if isinstance(items, torch.Tensor) else items, dtype=torch.float64)
     count = count.to(comm_device).reshape(())
-    pair = torch.stack([torch.where(count > 0, mean.reshape(()) * count, 0.0), count])  # NaN: a mean over nothing
+    pair = torch.stack([_weighted(mean.reshape(()), count), count])
     if data_parallel_size > 1:
         dist.all_reduce(pair)
     if float(pair[1]) <= 0:

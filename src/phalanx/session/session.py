@@ -113,9 +113,7 @@ class Session:
         self._forward_micro = 1  # the loader's micro-batches in the current forward (see accumulate)
         self._joined_batch = 1  # ... in the training batch handed out last, until a forward takes it
         # session.backward(loss, items=n): the window's items, and the step's rescaling by them.
-        self._items = ItemWeighting(
-            self.strategy.data_parallel_size, self.topology.comm_device, self.strategy.data_parallel_size > 1
-        )
+        self._items = ItemWeighting(self.strategy.data_parallel_size, self.topology.comm_device)
         self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._roles = LoaderRoles(self.print)  # which loaders train, and the refusals of a wrong guess
