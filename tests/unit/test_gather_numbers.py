@@ -45,12 +45,12 @@ def test_numbers_inside_an_evaluation_loop_are_per_batch_values(session):
 
 def test_several_processes_give_every_rank_value_in_rank_order(monkeypatch):
     # Two ranks, as all_gather fills them: this rank's value and the other's.
-    def all_gather(parts, local):
+    def all_gather(parts, local, group=None):
         parts[0].copy_(local)
         parts[1].copy_(local + 10)
 
     monkeypatch.setattr(collectives.dist, "all_gather", all_gather)
-    args = {"data_parallel_size": 2, "world_size": 2, "comm_device": torch.device("cpu"), "loader": None}
+    args = {"data_parallel_size": 2, "group": None, "comm_device": torch.device("cpu"), "loader": None}
     gathered = collectives.gather_in_order(0.5, **args)
     assert gathered.tolist() == [0.5, 10.5] and gathered.dtype == torch.float64
     assert collectives.gather_in_order(torch.tensor(2), **args).tolist() == [2, 12]

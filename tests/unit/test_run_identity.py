@@ -48,6 +48,8 @@ ALTERNATIVES: dict[str, list[Any]] = {
     "strategy.fsdp.min_params": [1000],
     "strategy.fsdp.reduce_dtype": ["bf16"],
     "strategy.fsdp.cpu_offload": [True],
+    "strategy.tp.size": [2],
+    "strategy.tp.plan": [{"*.up": "colwise"}],
     "strategy.pipeline.schedule": ["gpipe"],
     "strategy.pipeline.microbatches": [4],
     "strategy.pipeline.split_points": [["layers.2"]],

@@ -9,6 +9,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from pydantic.fields import FieldInfo
 
 from phalanx.config.sections import (
+    EVERY_STRATEGY,
     SHORTHAND,
     BatchConfig,
     CheckpointConfig,
@@ -97,7 +98,7 @@ def register_strategy_options(key: str, section: type[Section]) -> None:
 
 def unregister_strategy_options(key: str) -> None:
     """Remove ``strategy.<key>`` (a test's strategy, once the test is done)."""
-    if key in ("name", "activation_checkpointing"):
+    if key in EVERY_STRATEGY:
         raise ValueError(f"strategy.{key} belongs to every strategy")
     if StrategyConfig.model_fields.pop(key, None) is not None:
         _rebuild()

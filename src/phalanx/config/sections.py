@@ -38,6 +38,35 @@ class Section(BaseModel):
         return value
 
 
+class TPConfig(Section):
+    """The tensor-parallel axis of the layout: read by every strategy, used by those that hold it
+    (tp, and fsdp as its 2-D form); the others refuse a size above 1."""
+
+    size: Optional[int] = Field(
+        None,
+        gt=0,
+        description=(
+            "tensor-parallel peers per model replica, within one node (null: 1, except under strategy tp: "
+            "every process)"
+        ),
+    )
+    plan: dict[str, Literal["colwise", "rowwise", "sequence_parallel", "replicate"]] = Field(
+        default_factory=dict,
+        description=(
+            "module-name glob pattern -> colwise | rowwise | sequence_parallel | replicate, e.g. "
+            "{'*.up': colwise, '*.down': rowwise} (empty: the model's own tp_plan, else the MLP pairs found)"
+        ),
+    )
+
+    @field_validator("plan")
+    @classmethod
+    def _patterns(cls, value):
+        for pattern in value:
+            if not pattern.strip() or CONTROL_CHARACTERS.search(pattern):
+                raise ValueError(f"pattern {pattern!r} must be a non-empty module-name glob on one line")
+        return value
+
+
 class StrategyConfig(Section):
     """What every strategy reads. Each strategy's own options section (``strategy.ddp``, ...) is
     declared next to the strategy and added here when the strategy registers (schema.py's
@@ -51,13 +80,15 @@ class StrategyConfig(Section):
         ),
     )
 
+    tp: TPConfig = Field(default_factory=TPConfig)
+
     @model_validator(mode="before")
     @classmethod
     def _strategies_registered(cls, data):
         # With only the fields above no strategy has registered (phalanx.strategies not imported):
         # such a tree would lack strategy.ddp and the rest, and fail far from here, so none is built.
-        if set(cls.model_fields) == _EVERY_STRATEGY:
-            named = sorted(set(data) - _EVERY_STRATEGY) if isinstance(data, dict) else []
+        if set(cls.model_fields) == EVERY_STRATEGY:
+            named = sorted(set(data) - EVERY_STRATEGY) if isinstance(data, dict) else []
             what = f"strategy.{named[0]} is a strategy's own section, and the" if named else "The"
             raise ValueError(
                 f"{what} strategies add their sections when phalanx.strategies is imported (phalanx.Config "
@@ -67,7 +98,7 @@ class StrategyConfig(Section):
 
 
 # The fields of StrategyConfig that are no strategy's own.
-_EVERY_STRATEGY = frozenset(StrategyConfig.model_fields)
+EVERY_STRATEGY = frozenset(StrategyConfig.model_fields)
 
 
 class BatchConfig(Section):

@@ -124,7 +124,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     )
     world = devices.nproc * rendezvous.nnodes
     strategy_cls = strategy_class(name, world)
-    check_combination(config, world, devices.kind)
+    check_combination(config, world, devices.kind, devices.nproc)
     if config.train.profile is not None:
         ProfileWindow.parse(config.train.profile)
     # Late: importing the launcher (spawn, the CLI) should not load the Session and its collaborators.

@@ -57,8 +57,9 @@ class ItemWeighting:
     """One per Session: the items and loss of the current accumulation window, and the step's
     rescaling of the synchronised gradients."""
 
-    def __init__(self, data_parallel_size: int, comm_device: torch.device):
+    def __init__(self, data_parallel_size: int, group: Any, comm_device: torch.device):
         self.dp = data_parallel_size
+        self.group = group  # the data-parallel ranks' process group (None: every process)
         self.comm_device = comm_device
         self.collective = data_parallel_size > 1  # several ranks to all-reduce over
         self.unit: float | None = None
@@ -104,7 +105,7 @@ class ItemWeighting:
         # it is exact and a run that picks another one (a resumed run) trains bit for bit alike.
         largest = torch.tensor([max(items, 1.0)], dtype=torch.float64, device=self.comm_device)
         if self.collective:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
         return _power_of_two(float(largest) * accumulation_steps)
 
     def start_reduce(self) -> None:
@@ -120,7 +121,7 @@ class ItemWeighting:
         )
         totals = torch.stack([counts.sum(), sums.sum(), (counts < 0).sum().double()])
         self._totals = totals
-        self._pending = dist.all_reduce(totals, async_op=True) if self.collective else None
+        self._pending = dist.all_reduce(totals, async_op=True, group=self.group) if self.collective else None
 
     def finish(self, models: list[nn.Module]) -> torch.Tensor:
         """After the synchronising backward: rescale the models' gradients to the mean over every
@@ -216,7 +217,7 @@ def _power_of_two(value: float) -> float:
     return 2.0 ** max(0, round(math.log2(max(value, 1.0))))
 
 
-def weighted_mean(value: Any, items: Any, *, data_parallel_size: int, comm_device: torch.device) -> Any:
+def weighted_mean(value: Any, items: Any, *, data_parallel_size: int, group: Any, comm_device: torch.device) -> Any:
     """``session.reduce(value, items=n)``: ``value`` (a number or one-element tensor, a mean over
     ``n`` items on this rank) averaged over every item of the data-parallel ranks, sum(value * n) /
     sum(n), in one all-reduce."""
@@ -232,7 +233,7 @@ def weighted_mean(value: Any, items: Any, *, data_parallel_size: int, comm_devic
     count = count.to(comm_device).reshape(())
     pair = torch.stack([_weighted(mean.reshape(()), count), count])
     if data_parallel_size > 1:
-        dist.all_reduce(pair)
+        dist.all_reduce(pair, group=group)
     if float(pair[1]) <= 0:
         raise PhalanxError(
             "session.reduce(value, items=n): the items add up to 0 over the processes, so there is nothing to "

@@ -21,7 +21,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -63,6 +63,7 @@ from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
 from phalanx.session.weights import Weights
 from phalanx.strategies import create_strategy
+from phalanx.strategies.parallel_layout import TENSOR
 from phalanx.strategies.construction import empty_parameters, materialized_bytes
 from phalanx.strategies.surface import expose
 from phalanx.topology import LaunchContext, Topology
@@ -113,7 +114,9 @@ class Session:
         self._forward_micro = 1  # the loader's micro-batches in the current forward (see accumulate)
         self._joined_batch = 1  # ... in the training batch handed out last, until a forward takes it
         # session.backward(loss, items=n): the window's items, and the step's rescaling by them.
-        self._items = ItemWeighting(self.strategy.data_parallel_size, self.topology.comm_device)
+        self._items = ItemWeighting(
+            self.strategy.data_parallel_size, self.strategy.data_group, self.topology.comm_device
+        )
         self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._roles = LoaderRoles(self.print)  # which loaders train, and the refusals of a wrong guess
@@ -266,7 +269,8 @@ class Session:
             # Every rank built the same initial weights from the same seed; from here on ranks
             # should draw different dropout masks and augmentations. Waiting for the first model
             # lets a script set up its loaders first and build the model after.
-            _seed_everything(self.config.train.seed + self.rank)
+            # Tensor peers keep one stream: their replicated activations must stay equal.
+            _seed_everything(self.config.train.seed + self.strategy.layout.seed_rank(self.rank))
             self._seeded = True
         self._set_up = True
         self._announce()
@@ -295,6 +299,19 @@ class Session:
             self._guards.add_scheduler(obj)
             return obj
         raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
+
+    def set_tp_plan(self, plan: Mapping[str, Any]) -> None:
+        """Tensor parallelism's plan in Python, before the model's ``setup()``: module-name glob
+        patterns to style names or DTensor ``ParallelStyle`` objects (for what the config's names
+        cannot say: input and output layouts). It wins over ``strategy.tp.plan``."""
+        if TENSOR not in self.strategy.axes:
+            raise PhalanxError(
+                f"session.set_tp_plan(): strategy {self.strategy.name} splits no layers; use strategy tp, "
+                "or fsdp with strategy.tp.size > 1"
+            )
+        if self._models:
+            raise PhalanxError("session.set_tp_plan() comes before setup() of the model: the plan splits it there")
+        self.strategy.given_tp_plan = dict(plan)
 
     def setup_loader(self, loader: DataLoader, *, train: bool, fixed_layout: bool = False) -> DeviceLoader:
         """Shard one DataLoader explicitly as a training (``train=True``) or evaluation loader, before
@@ -669,8 +686,7 @@ class Session:
         if items is not None:
             if op != "mean":
                 raise PhalanxError(f"session.reduce(value, op={op!r}, items=n): items weight a mean; use op='mean'")
-            dp = self.strategy.data_parallel_size
-            return weighted_mean(value, items, data_parallel_size=dp, comm_device=self.topology.comm_device)
+            return weighted_mean(value, items, **self._collective_args())
         return collectives.reduce(value, op, **self._collective_args())
 
     def gather_for_metrics(self, tensor: torch.Tensor | float | int) -> torch.Tensor:
@@ -695,7 +711,7 @@ class Session:
 
     def _collective_args(self) -> dict[str, Any]:
         dp = self.strategy.data_parallel_size
-        return {"data_parallel_size": dp, "world_size": self.world_size, "comm_device": self.topology.comm_device}
+        return {"data_parallel_size": dp, "group": self.strategy.data_group, "comm_device": self.topology.comm_device}
 
     def barrier(self) -> None:
         if not self.state.at_epoch_end():  # there, what the epoch's closing code does after it belongs in too

@@ -12,7 +12,7 @@ from phalanx.topology import Topology
 def create_strategy(config: Config, topology: Topology) -> Strategy:
     """The strategy ``config`` names, after the same checks the launcher makes before it starts a
     process, so a Session built without the launcher refuses the same combinations."""
-    check_combination(config, topology.world_size, topology.device.type)
+    check_combination(config, topology.world_size, topology.device.type, topology.local_world_size)
     return strategy_class(config.strategy.name, topology.world_size)(config, topology)
 
 

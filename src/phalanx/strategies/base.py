@@ -22,6 +22,7 @@ from phalanx.config.sections import BatchConfig, Section, StrategyConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import squared_norm
 from phalanx.strategies.construction import Materializer, is_deferred
+from phalanx.strategies.parallel_layout import AXES, DATA_AXES, ParallelLayout
 from phalanx.strategies.plan_rows import PlanRow
 from phalanx.topology import Topology
 
@@ -30,11 +31,13 @@ PRECISIONS = ("fp32", "bf16", "fp16")  # precision.mode values, in the order mes
 
 @dataclass(frozen=True)
 class Sharding:
-    """What a strategy divides among its processes, at the peak of a training step."""
+    """What a strategy divides among its processes, at the peak of a training step: for each kind
+    of state, the layout axes (parallel_layout.AXES) it is divided over; empty: every rank holds
+    it whole. Divided over ``tp``, only the layers the tensor-parallel plan splits are divided."""
 
-    parameters: bool = False
-    gradients: bool = False
-    optimizer: bool = False
+    parameters: tuple[str, ...] = ()
+    gradients: tuple[str, ...] = ()
+    optimizer: tuple[str, ...] = ()
     # Parameters are stored sharded, but the gathered compute copy of every one stays from forward
     # until backward (FSDP without resharding): at the peak they are whole, shards besides.
     keeps_gathered: bool = False
@@ -88,6 +91,10 @@ class Strategy:
     # generic fix where a strategy gives none.
     advice: ClassVar[dict[str, str]] = {}
 
+    # The layout axes it uses (parallel_layout.AXES): its data axis (dp_replicate or dp_shard, or
+    # none where every rank sees the same batch), and tp / pp where it splits the model.
+    axes: ClassVar[tuple[str, ...]] = ("dp_replicate",)
+
     # -- what the strategy owns besides its code --------------------------------------------
     # Its options section, ``strategy.<options_key>`` in the config (the registry adds it to the
     # tree). A subclass inherits its parent's (zero1 reads strategy.ddp).
@@ -129,7 +136,7 @@ class Strategy:
         any worker starts."""
         b = batch or config.batch
         return plan_batch(
-            cls.data_parallel_size_for(world_size),
+            cls.layout_for(config, world_size).dp_size,
             global_batch_size,
             b.micro_batch_size,
             b.max_micro_batch_size,
@@ -144,6 +151,10 @@ class Strategy:
     def __init__(self, config: Config, topology: Topology):
         self.config = config
         self.topology = topology
+        self.layout = type(self).layout_for(config, topology.world_size, topology.local_world_size)
+        self._mesh: Any = None
+        # Tensor parallelism's plan given in Python (session.set_tp_plan), which wins over the config's.
+        self.given_tp_plan: dict[str, Any] | None = None
         self._owns_process_group = False
         self._materializers: list[Materializer] = []  # one per deferred model (see construction.py)
         # Modules built under init_module(initialize=False): materialised, never initialised.
@@ -162,18 +173,51 @@ class Strategy:
             )
 
     @classmethod
-    def data_parallel_size_for(cls, world_size: int) -> int:
-        """Processes that each take a different share of the global batch, out of ``world_size``."""
-        return world_size
+    def layout_for(cls, config: Config, world_size: int, per_node: int | None = None) -> ParallelLayout:
+        """How ``world_size`` processes (``per_node`` on each node, where known) split into this
+        strategy's axes under ``config``; refuses, in one line, sizes that cannot split."""
+        tp = config.strategy.tp.size or 1
+        if tp > 1 and "tp" not in cls.axes:  # checks.py names the strategies that do
+            raise ConfigError(f"strategy {cls.name} has no tensor-parallel axis; set strategy.tp.size: 1")
+        data = next((a for a in cls.axes if a in DATA_AXES), None)
+        pp = world_size if "pp" in cls.axes else 1
+        if data is None:  # every rank sees the same batch: the split axis takes every process
+            tp = world_size // pp if "tp" in cls.axes and config.strategy.tp.size is None else tp
+            if tp * pp != world_size:
+                raise ConfigError(
+                    cls.advice.get("strategy.tp.size") or f"strategy {cls.name} has no data-parallel axis"
+                )
+            data = "dp_replicate"
+        return ParallelLayout.of(world_size, data_axis=data, tp=tp, pp=pp, per_node=per_node)
 
     # -- worker side ----------------------------------------------------------------------
     @property
     def data_parallel_size(self) -> int:
-        return self.data_parallel_size_for(self.topology.world_size)
+        return self.layout.dp_size
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.topology.rank
+        return self.layout.dp_rank(self.topology.rank)
+
+    @property
+    def data_group(self) -> Any:
+        """The process group of this rank's data-parallel peers (None: every process, the default
+        group): what the Session's reduce, gather and item counts go over."""
+        if self.layout.dp_size in (1, self.topology.world_size):
+            return None
+        return self.mesh.get_group(next(a for a in DATA_AXES if self.layout.size(a) > 1))
+
+    @property
+    def mesh(self) -> Any:
+        """The DeviceMesh over the layout's used axes (made once, after the process group)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = tuple(a for a in AXES if self.layout.size(a) > 1 or a in self.axes)
+            self._mesh = init_device_mesh(
+                self.topology.device.type, tuple(self.layout.size(a) for a in names), mesh_dim_names=names
+            )
+        return self._mesh
 
     def setup_environment(self) -> None:
         """Join (or create) the process group when there is more than one process, or when the
@@ -195,6 +239,8 @@ class Strategy:
             kwargs["store"] = _attempt_store(*self.topology.agent_store, self.topology)
         dist.init_process_group(backend, rank=self.topology.rank, world_size=self.topology.world_size, **kwargs)
         self._owns_process_group = True
+        if "tp" in self.layout.used or len(self.layout.used) > 1:
+            self.mesh  # made by every rank at the same point: its groups are collectives of the world
 
     def place(self, model: nn.Module) -> nn.Module:
         """Put the model on this process's device (before wrapping); a deferred one is materialised

@@ -15,12 +15,21 @@ from phalanx.strategies.base import PRECISIONS, Strategy
 from phalanx.strategies.registry import STRATEGIES, names_with, options_key_of, strategy_class
 
 
-def check_combination(config: Config, world_size: int | None = None, device: str | None = None) -> None:
-    """Refuse what ``config`` asks of its strategy on ``world_size`` processes on ``device``
-    ("cuda" or "cpu"); either may be None where it is not known yet (``phalanx config show``),
-    and the rules that need it are then left to the launcher and the Session."""
+def check_combination(
+    config: Config, world_size: int | None = None, device: str | None = None, per_node: int | None = None
+) -> None:
+    """Refuse what ``config`` asks of its strategy on ``world_size`` processes (``per_node`` of
+    them on each node) on ``device`` ("cuda" or "cpu"); any may be None where it is not known yet
+    (``phalanx config show``), and the rules that need it are then left to the launcher and the Session."""
     named = config.strategy.name
     cls = strategy_class(named, world_size or 1)
+    tp = config.strategy.tp.size or 1
+    if tp > 1 and "tp" not in cls.axes:
+        holders = _listed([n for n, other in STRATEGIES.items() if "tp" in other.axes], "or")
+        raise ConfigError(
+            f"strategy.tp.size {tp} splits layers over tensor-parallel peers, which strategy {cls.name} cannot hold; "
+            f"use strategy {holders}, or set strategy.tp.size: 1"
+        )
     for owner in _section_owners():
         _refuse_foreign_options(config, owner, cls)
     if config.compute.compile and not cls.supports_compile:
@@ -40,6 +49,7 @@ def check_combination(config: Config, world_size: int | None = None, device: str
         raise ConfigError(_refusal(head, cls, "precision.mode", f"use precision.mode {supported}"))
     if world_size is not None:
         cls.check_world(world_size)
+        cls.layout_for(config, world_size, per_node)
     cls.check_settings(config, world_size, device)
 
 

@@ -7,7 +7,6 @@ import contextlib
 from typing import ClassVar, Literal
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 from torch import nn
 
@@ -15,11 +14,12 @@ from phalanx._torch_compat import fsdp_measuring_reduce_scatter
 from phalanx.config.sections import Section
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.runtime.noise_scale import LocalNorms
+from phalanx.strategies import dtensor_state, tp_plan
 from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.construction import is_deferred, whole_model_refusal
 from phalanx.strategies.fsdp_units import shard_groups
+from phalanx.strategies.mesh_norms import squared_norm_over_mesh
 from phalanx.strategies.plan_rows import PlanRow
-from phalanx.util.optim import rebuild_arguments
 from phalanx.util.words import plural
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,7 +68,10 @@ class FSDP(Strategy):
     checkpoint_layout = "dcp"
     precisions = frozenset({"fp32", "bf16"})
     supports_channels_last = False
-    shards = Sharding(parameters=True, gradients=True, optimizer=True)
+    # Sharded over the data-parallel axis, and split by the tensor-parallel plan as well in the 2-D
+    # layout (strategy.tp.size > 1: TP within a node, FSDP across the data-parallel ranks).
+    shards = Sharding(parameters=("dp_shard", "tp"), gradients=("dp_shard", "tp"), optimizer=("dp_shard", "tp"))
+    axes = ("dp_shard", "tp")
     # Without resharding, gradients are reduce-scattered and parameters all-gathered once (2);
     # resharding all-gathers them again for backward (3).
     plan_rows = (
@@ -85,7 +88,8 @@ class FSDP(Strategy):
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
-        self._new_params: dict[int, nn.Parameter] = {}
+        self._replaced = dtensor_state.ReplacedParameters(self.name)
+        self.tp_plan: tp_plan.TPPlan | None = None  # the 2-D layout's, once the model is split
         # This rank's gradient before the reduce-scatter averages it, for the noise scale's small
         # batch: measured in a reduce-scatter of FSDP's own kind that looks at each input first.
         measure = config.train.noise_scale and topology.world_size > 1
@@ -95,7 +99,10 @@ class FSDP(Strategy):
     def sharding(cls, settings) -> Sharding:
         if settings.fsdp.reshard_after_forward:
             return cls.shards  # ZeRO-3-like
-        return Sharding(gradients=True, optimizer=True, keeps_gathered=True)  # ZeRO-2-like
+        # ZeRO-2-like: the gathered copy is whole over the data axis, still split by the TP plan.
+        return Sharding(
+            parameters=("tp",), gradients=cls.shards.gradients, optimizer=cls.shards.optimizer, keeps_gathered=True
+        )
 
     @classmethod
     def check_settings(cls, config, world_size, device) -> None:
@@ -108,7 +115,9 @@ class FSDP(Strategy):
 
     def place(self, model: nn.Module) -> nn.Module:
         # A deferred model stays on meta: wrap_model materialises each unit just before sharding it.
-        if not is_deferred(model):
+        # In the 2-D layout it is materialised whole first: the tensor-parallel split needs real
+        # weights to cut, with the values a 1-process run draws.
+        if not is_deferred(model) or self.layout.tp > 1:
             return super().place(model)
         build = self.materializer(model, in_place=False)  # names taken now, before activation checkpointing
         if build.needs_whole_model_init():  # it would run on the sharded model: refused before any work
@@ -120,7 +129,7 @@ class FSDP(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         opts = self.config.strategy.fsdp
-        before = dict(model.named_parameters())
+        before = self._replaced.before(model)
         kwargs = {"reshard_after_forward": opts.reshard_after_forward}
         if self.config.precision.mode == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -128,6 +137,10 @@ class FSDP(Strategy):
             )
         if opts.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        if self.layout.tp > 1:  # 2-D: split layers over the tensor peers, then shard over the data axis
+            plan, given, main = self.config.strategy.tp.plan, self.given_tp_plan, self.topology.is_main
+            self.tp_plan = tp_plan.split(model, self.mesh["tp"], plan, given, main=main)
+            kwargs["mesh"] = self.mesh["dp_shard"]
         # A deferred model is materialised one unit at a time, each sharded at once: the set-up peak
         # is this rank's shards plus one whole unit, never the whole model.
         build = self.materializer(model, in_place=False) if is_deferred(model) else None
@@ -144,11 +157,8 @@ class FSDP(Strategy):
         fully_shard(model, **kwargs)
         self._measure_reduce_scatters(model)
         # model.load_state_dict() takes the user's plain weights, as under every other strategy.
-        model.register_load_state_dict_pre_hook(_shard_full_tensors)
-        # fully_shard replaces every parameter with a sharded one; optimizers built on the old
-        # ones are rebuilt in wrap_optimizer through this map.
-        after = dict(model.named_parameters())
-        self._new_params.update({id(p): after[name] for name, p in before.items()})
+        model.register_load_state_dict_pre_hook(dtensor_state.shard_full_tensors)
+        self._replaced.after(model, before)
         return model
 
     def _measure_reduce_scatters(self, model: nn.Module) -> None:
@@ -164,28 +174,16 @@ class FSDP(Strategy):
                 module.set_custom_reduce_scatter(comm)
 
     def gradient_sq(self, models: list[nn.Module]) -> torch.Tensor:
-        # Each rank holds disjoint shards: the sum of every rank's is the whole gradient's.
-        local = super().gradient_sq(models).to(self.topology.comm_device)
-        if self.topology.world_size > 1:
-            dist.all_reduce(local)
-        return local
+        # Shards are disjoint over the data axis; in the 2-D layout the tensor peers may hold copies.
+        grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
+        return squared_norm_over_mesh(grads, self.topology.world_size, self.topology.comm_device)
 
     def _shard_groups(self, model: nn.Module) -> list[list[nn.Module]]:
         opts = self.config.strategy.fsdp
         return shard_groups(model, opts.wrap, opts.min_params, "strategy.fsdp.wrap")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if not self._new_params:
-            raise ConfigError("strategy fsdp: pass the model to setup() together with (or before) its optimizer")
-        for group in optimizer.param_groups:
-            missing = [p for p in group["params"] if id(p) not in self._new_params]
-            if missing:
-                raise ConfigError(
-                    "strategy fsdp: the optimizer holds parameters that are not in the model given to setup()"
-                )
-            group["params"] = [self._new_params[id(p)] for p in group["params"]]
-        # Same group dicts, so a scheduler built on the user's optimizer still steers this one.
-        return type(optimizer)(optimizer.param_groups, **rebuild_arguments(optimizer))
+        return self._replaced.rebuild(optimizer)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return _gradient_sync_off(model)
@@ -196,50 +194,32 @@ class FSDP(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full weights on CPU, on rank 0 (other ranks get an empty dict, as torch does)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dtensor_state.full_model_state_dict(model)
 
     def sharded_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(model)
+        return dtensor_state.sharded_model_state_dict(model)
 
     def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(model, state)
+        dtensor_state.load_sharded_model_state_dict(model, state)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        dtensor_state.load_full_model_state_dict(model, state)
 
     def put_weight(self, slot: torch.Tensor, value: torch.Tensor) -> None:
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        if not isinstance(slot, DTensor):
-            return super().put_weight(slot, value)
-        # Every rank has the full tensor: its shard is cut locally, with the sharding's own rule,
-        # and cast as it is copied in (a cast of the whole tensor would be a second full copy).
-        value = value.to(device=slot.device)
-        share = distribute_tensor(value, slot.device_mesh, slot.placements, src_data_rank=None).to_local()
-        with torch.no_grad():
-            slot.to_local().copy_(share)
+        if not dtensor_state.put_full_tensor(slot, value):
+            super().put_weight(slot, value)
 
     def optimizer_state_dict(self, model, optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer)
+        return dtensor_state.optimizer_state_dict(model, optimizer)
 
     def load_optimizer_state_dict(self, model, optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer, state)
+        dtensor_state.load_optimizer_state_dict(model, optimizer, state)
 
     def describe(self) -> str:
         mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"
+        if self.layout.tp > 1:
+            split = f", {self.tp_plan.describe()}" if self.tp_plan is not None else ""
+            return f"fsdp x tp over {self.layout.describe()} ({mode}{split})"
         return f"fsdp over {plural(self.topology.world_size, 'process')} ({mode})"
 
 
@@ -250,19 +230,6 @@ def shard_units(model: nn.Module, opts: FSDPConfig, setting: str = "strategy.fsd
     A unit that shares a tied weight with modules elsewhere is sharded together with them
     (fsdp_units.py); it stands here for its group, whose other modules hold that weight."""
     return [group[0] for group in shard_groups(model, opts.wrap, opts.min_params, setting)]
-
-
-def _shard_full_tensors(module: nn.Module, state: dict, prefix: str, *_: object) -> None:
-    """A plain (full) tensor given for a sharded parameter becomes this rank's shard of it, cut
-    locally: load_state_dict of a plain dict means every rank holds the whole tensor, so no
-    collective is needed (and calling it on one rank alone cannot hang)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for name, param in module.named_parameters():
-        value = state.get(prefix + name)
-        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            local = value.detach().to(param.device)
-            state[prefix + name] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
 
 
 @contextlib.contextmanager

@@ -67,7 +67,10 @@ class Pipeline(Strategy):
     precisions = frozenset({"fp32"})
     supports_compile = False
     # A stage holds about 1/N of the layers (assuming balanced stages): all three are divided.
-    shards = Sharding(parameters=True, gradients=True, optimizer=True)
+    shards = Sharding(parameters=("pp",), gradients=("pp",), optimizer=("pp",))
+    # Every stage sees the same batch (stage 0 its inputs, the last stage its targets): the
+    # stages are the whole layout, with no data-parallel axis.
+    axes = ("pp",)
     # It sends only activations between stages, but its stages idle in the pipeline bubble,
     # (N-1)/(M+N-1) of each step with M pipeline micro-batches: the plan lists it last.
     plan_rows = (PlanRow("pipeline", traffic=LAST, options={"schedule": "1f1b"}),)
@@ -116,14 +119,6 @@ class Pipeline(Strategy):
     @classmethod
     def micro_batch_multiple(cls, config, world_size) -> int:
         return pipeline_microbatches(config.strategy.pipeline, world_size)  # each micro-batch is cut into these
-
-    @classmethod
-    def data_parallel_size_for(cls, world_size: int) -> int:
-        return 1  # every stage sees the same batch: stage 0 its inputs, the last stage its targets
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return 0
 
     def place(self, model: nn.Module) -> nn.Module:
         # wrap_model puts this rank's stage on the device; the others stay where they are. The names

@@ -12,6 +12,7 @@ from phalanx.strategies.fsdp import FSDP
 from phalanx.strategies.model_parallel import ModelParallel
 from phalanx.strategies.pipeline import Pipeline
 from phalanx.strategies.single import SingleDevice
+from phalanx.strategies.tp import TensorParallel
 from phalanx.strategies.zero1 import Zero1
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -75,7 +76,7 @@ def names_with(capability: str) -> list[str]:
 
 
 def _register_builtins() -> None:
-    for cls in (SingleDevice, DataParallel, DDP, Zero1, FSDP, ModelParallel, Pipeline):
+    for cls in (SingleDevice, DataParallel, DDP, Zero1, FSDP, TensorParallel, ModelParallel, Pipeline):
         register(cls)
 
 

@@ -14,7 +14,7 @@ from phalanx.util.words import plural
 
 class Zero1(DDP):
     name = "zero1"
-    shards = Sharding(optimizer=True)
+    shards = Sharding(optimizer=("dp_replicate",))
     # DDP's all-reduce (2), then ZeroRedundancyOptimizer broadcasts the updated parameters (1).
     plan_rows = (PlanRow("zero1", traffic=3),)
 

@@ -1,0 +1,284 @@
+"""Which modules tensor parallelism splits, and how: the plan ``parallelize_module`` applies.
+
+The plan comes from, in this order: the user (``strategy.tp.plan``: module-name glob patterns to
+style names, or DTensor ``ParallelStyle`` objects given in Python); a Hugging Face model's own
+``base_model_tp_plan``; else an automatic plan of what can be split without the model's
+cooperation, the ``nn.Linear`` pairs of MLP blocks (up and gate colwise, down rowwise). Attention
+is never split automatically: a module that reshapes its projections into a head count it holds
+(``view(b, s, self.num_heads, d)``) breaks when a peer holds a fraction of the heads; only the
+model can say that it reshapes with ``-1`` (Hugging Face's plans do). Every module a plan names is
+checked here, before anything is split: a pattern that matches nothing, a style the module cannot
+take, a size the peers would split unevenly, each is one line naming the module and the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from torch import nn
+
+from phalanx.errors import ConfigError
+
+# Names of the styles a config may give; their DTensor styles are made in styles().
+STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+# Hugging Face's style names that mean one of phalanx's (the rest of theirs need their own hooks).
+_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "sequence_parallel": "sequence_parallel"}
+# Norm layers sequence parallel can hold (it shards their input along the sequence).
+_NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """``styles``: module name -> style name or ParallelStyle; ``source``: where it came from;
+    ``kept_whole``: attention-like modules the automatic plan leaves on every peer, whole."""
+
+    styles: dict[str, Any]
+    source: str
+    kept_whole: tuple[str, ...] = ()
+
+    def split(self) -> dict[str, Any]:
+        """The modules actually split (``replicate`` keeps a module whole)."""
+        return {name: style for name, style in self.styles.items() if style != "replicate"}
+
+    def describe(self) -> str:
+        return f"{len(self.split())} modules split ({self.source})"
+
+
+def resolve(model: nn.Module, tp: int, configured: Mapping[str, str], given: Mapping[str, Any] | None = None) -> TPPlan:
+    """The plan for ``model`` at ``tp`` peers: ``given`` (Python, ParallelStyle values allowed) or
+    ``configured`` (strategy.tp.plan) first, then the model's own, then the automatic one."""
+    modules = dict(model.named_modules())
+    if given or configured:
+        source = "the plan given to setup()" if given else "strategy.tp.plan"
+        styles = _expand(dict(given or configured), modules, source)
+        plan = TPPlan(styles, source)
+    else:
+        plan = _huggingface(model, modules) or _automatic(model, modules, tp)
+    for name, style in plan.styles.items():
+        _check(name, modules[name], style, tp, plan.source)
+    _check_heads(model, plan, tp)
+    return plan
+
+
+def _expand(patterns: dict[str, Any], modules: dict[str, nn.Module], source: str) -> dict[str, Any]:
+    """Patterns -> module names. Later patterns win where two match one module, as in a dict."""
+    styles: dict[str, Any] = {}
+    for pattern, style in patterns.items():
+        if isinstance(style, str) and style not in STYLES:
+            raise ConfigError(f"{source}: '{pattern}: {style}' is no style; use one of {', '.join(STYLES)}")
+        matched = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            near = sorted(name for name in modules if name and name.rsplit(".", 1)[-1] == pattern.rsplit(".", 1)[-1])
+            hint = f" (modules of that name: {', '.join(near[:3])})" if near else ""
+            raise ConfigError(
+                f"{source}: pattern '{pattern}' matches no module of the model{hint}; patterns match the names "
+                "of model.named_modules(), e.g. 'layers.*.mlp.up'"
+            )
+        for name in matched:
+            styles[name] = style
+    return styles
+
+
+def _huggingface(model: nn.Module, modules: dict[str, nn.Module]) -> TPPlan | None:
+    """The model's own plan: ``config.base_model_tp_plan``, relative to its base model."""
+    config = getattr(model, "config", None)
+    own = getattr(config, "base_model_tp_plan", None)
+    if not own or not isinstance(own, Mapping):
+        return None
+    base = next((name for name, module in modules.items() if module is getattr(model, "base_model", None)), "")
+    prefix = f"{base}." if base else ""
+    patterns = {}
+    for pattern, style in own.items():
+        if style not in _HF_STYLES:
+            raise ConfigError(
+                f"the model's own tp_plan gives '{pattern}: {style}', a Hugging Face style phalanx does not apply; "
+                "set strategy.tp.plan to the modules to split (colwise, rowwise, sequence_parallel, replicate)"
+            )
+        patterns[prefix + pattern] = _HF_STYLES[style]
+    return TPPlan(
+        _expand(patterns, modules, f"{type(model).__name__}'s own tp_plan"), f"{type(model).__name__}'s own tp_plan"
+    )
+
+
+def _automatic(model: nn.Module, modules: dict[str, nn.Module], tp: int) -> TPPlan:
+    styles: dict[str, str] = {}
+    whole = []
+    for name, module in modules.items():
+        pair = _mlp_pair(module)
+        if pair is not None:
+            ups, down = pair
+            styles.update({_join(name, up): "colwise" for up in ups})
+            styles[_join(name, down)] = "rowwise"
+        elif _attention_like(module):
+            whole.append(name)
+    if not styles:
+        raise ConfigError(
+            f"strategy tp found nothing in {type(model).__name__} it can split by itself (the MLP blocks' pairs of "
+            "nn.Linear layers, up then down); name the modules to split in strategy.tp.plan, e.g. "
+            "{'layers.*.mlp.up': colwise, 'layers.*.mlp.down': rowwise}"
+        )
+    return TPPlan(styles, "automatic: MLP blocks", tuple(whole))
+
+
+def _mlp_pair(module: nn.Module) -> tuple[list[str], str] | None:
+    """``module``'s children as an MLP block: one or two Linear d->h (up, gate) and one Linear
+    h->d (down), h != d, and no other child with parameters of its own."""
+    children = list(module.named_children())
+    linears = [(n, c) for n, c in children if type(c) is nn.Linear]
+    others = [c for _, c in children if type(c) is not nn.Linear and any(True for _ in c.parameters())]
+    if others or not 2 <= len(linears) <= 3:
+        return None
+    *ups, (down_name, down) = linears
+    dim, hidden = down.out_features, down.in_features
+    if hidden == dim or not all(u.in_features == dim and u.out_features == hidden for _, u in ups):
+        return None
+    return [n for n, _ in ups], down_name
+
+
+def _attention_like(module: nn.Module) -> bool:
+    if isinstance(module, nn.MultiheadAttention):
+        return True
+    return any(hasattr(module, attr) for attr in ("num_heads", "n_head", "num_attention_heads")) and any(
+        isinstance(c, nn.Linear) for c in module.children()
+    )
+
+
+def _check(name: str, module: nn.Module, style: Any, tp: int, source: str) -> None:
+    if not isinstance(style, str):
+        return  # a ParallelStyle given in Python: the user's own, checked by DTensor itself
+    where = f"{source}: module '{name}' ({type(module).__name__})"
+    if style in ("colwise", "rowwise"):
+        if isinstance(module, nn.Linear):
+            size, what = (
+                (module.out_features, "output features")
+                if style == "colwise"
+                else (
+                    module.in_features,
+                    "input features",
+                )
+            )
+        elif isinstance(module, nn.Embedding):
+            size, what = (
+                (module.embedding_dim, "embedding width")
+                if style == "colwise"
+                else (
+                    module.num_embeddings,
+                    "vocabulary rows",
+                )
+            )
+        else:
+            raise ConfigError(f"{where} cannot be split {style}: only nn.Linear and nn.Embedding can; name those")
+        if size % tp:
+            raise ConfigError(
+                f"{where} has {size} {what}, which {tp} tensor-parallel peers would split unevenly; "
+                f"set strategy.tp.size to a divisor of {size}, or leave the module out of the plan"
+            )
+    elif style == "sequence_parallel" and not isinstance(module, _NORMS):
+        raise ConfigError(f"{where} cannot take sequence_parallel: only norm layers (LayerNorm, RMSNorm) can")
+
+
+def _check_heads(model: nn.Module, plan: TPPlan, tp: int) -> None:
+    """A Hugging Face attention split colwise holds a fraction of the heads: they must divide."""
+    config = getattr(model, "config", None)
+    if not any("attn" in name for name in plan.split()):
+        return
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ConfigError(
+                f"the model has {heads} {attr.replace('_', ' ')}, which {tp} tensor-parallel peers would split "
+                f"unevenly; set strategy.tp.size to a divisor of {heads}"
+            )
+
+
+def kept_whole_line(model: nn.Module, plan: TPPlan) -> str | None:
+    """The line the Session prints when the automatic plan leaves attention whole."""
+    if not plan.kept_whole:
+        return None
+    first = plan.kept_whole[0]
+    module = dict(model.named_modules())[first]
+    more = f" and {len(plan.kept_whole) - 1} more" if len(plan.kept_whole) > 1 else ""
+    head = f"phalanx: tp keeps attention '{first}'{more} whole on every peer"
+    if isinstance(module, nn.MultiheadAttention):
+        return (
+            f"{head}: nn.MultiheadAttention packs q, k and v into one weight, which no plan can split by heads; "
+            "an attention of its own q, k, v and output nn.Linear layers that reshapes with -1 heads can be split"
+        )
+    linears = [n for n, c in module.named_children() if isinstance(c, nn.Linear)]
+    pattern = _pattern_of(first)
+    lines = ", ".join(
+        f"'{pattern}.{n}': {'rowwise' if i == len(linears) - 1 else 'colwise'}" for i, n in enumerate(linears)
+    )
+    return (
+        f"{head}: a module that reshapes into the head count it holds cannot run on a fraction of the heads; "
+        f"if its forward reshapes with -1 heads, split it with strategy.tp.plan {{{lines}}}"
+    )
+
+
+def split(
+    model: nn.Module, mesh: Any, configured: Mapping[str, str], given: Mapping[str, Any] | None, *, main: bool
+) -> TPPlan:
+    """Resolve the plan over ``mesh`` (the tensor axis), say on the ``main`` rank what it keeps
+    whole, and apply it; returns the plan."""
+    plan = resolve(model, mesh.size(), configured, given)
+    line = kept_whole_line(model, plan)
+    if line and main:
+        print(line, flush=True)
+    apply(model, mesh, plan)
+    return plan
+
+
+def apply(model: nn.Module, mesh: Any, plan: TPPlan) -> None:
+    """Split ``model`` in place over ``mesh`` (the tensor-parallel axis) as ``plan`` says.
+
+    The strings' styles take and give whole (replicated) local tensors, so a module the plan names
+    fits between modules it does not: colwise gives its output's shard to the rowwise that follows,
+    and a sequence_parallel norm takes the whole sequence, computes on its peer's slice of it and
+    gives the whole sequence back (one all-gather)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    made = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    around = PrepareModuleInputOutput(
+        input_layouts=(Replicate(),),
+        desired_input_layouts=(Shard(1),),
+        output_layouts=(Shard(1),),
+        desired_output_layouts=(Replicate(),),
+        use_local_input=False,
+        use_local_output=True,
+    )
+    for name, style in plan.split().items():
+        if style == "sequence_parallel":
+            # Its hooks first: the slice reaches SequenceParallel as a DTensor, which it keeps.
+            parallelize_module(model, mesh, {name: around})
+            parallelize_module(model, mesh, {name: SequenceParallel(use_local_output=False)})
+        else:
+            parallelize_module(model, mesh, {name: made[style]() if isinstance(style, str) else style})
+
+
+def split_parameters(model: nn.Module, plan: TPPlan) -> int:
+    """Parameters the plan divides among the peers (what ``phalanx plan`` divides by tp): colwise
+    splits a layer's weight and bias, rowwise its weight (the bias is added once, whole)."""
+    modules = dict(model.named_modules())
+    total = 0
+    for name, style in plan.split().items():
+        if style in ("colwise", "rowwise") or not isinstance(style, str):
+            own = dict(modules[name].named_parameters(recurse=False))
+            total += sum(p.numel() for n, p in own.items() if style != "rowwise" or n == "weight")
+    return total
+
+
+def _join(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _pattern_of(name: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
