@@ -63,8 +63,8 @@ from phalanx.session.recovery import Recovery
 from phalanx.session.state import TrainState
 from phalanx.session.weights import Weights
 from phalanx.strategies import create_strategy
-from phalanx.strategies.parallel_layout import TENSOR
 from phalanx.strategies.construction import empty_parameters, materialized_bytes
+from phalanx.strategies.parallel_layout import TENSOR
 from phalanx.strategies.surface import expose
 from phalanx.topology import LaunchContext, Topology
 

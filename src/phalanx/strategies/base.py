@@ -22,7 +22,7 @@ from phalanx.config.sections import BatchConfig, Section, StrategyConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import squared_norm
 from phalanx.strategies.construction import Materializer, is_deferred
-from phalanx.strategies.parallel_layout import AXES, DATA_AXES, ParallelLayout
+from phalanx.strategies.parallel_layout import AXES, DATA_AXES, TENSOR, ParallelLayout
 from phalanx.strategies.plan_rows import PlanRow
 from phalanx.topology import Topology
 
@@ -94,6 +94,8 @@ class Strategy:
     # The layout axes it uses (parallel_layout.AXES): its data axis (dp_replicate or dp_shard, or
     # none where every rank sees the same batch), and tp / pp where it splits the model.
     axes: ClassVar[tuple[str, ...]] = ("dp_replicate",)
+    # strategy.tp.size null means every process of a node (tp), rather than 1.
+    tp_by_default: ClassVar[bool] = False
 
     # -- what the strategy owns besides its code --------------------------------------------
     # Its options section, ``strategy.<options_key>`` in the config (the registry adds it to the
@@ -176,18 +178,13 @@ class Strategy:
     def layout_for(cls, config: Config, world_size: int, per_node: int | None = None) -> ParallelLayout:
         """How ``world_size`` processes (``per_node`` on each node, where known) split into this
         strategy's axes under ``config``; refuses, in one line, sizes that cannot split."""
-        tp = config.strategy.tp.size or 1
-        if tp > 1 and "tp" not in cls.axes:  # checks.py names the strategies that do
+        tp = config.strategy.tp.size
+        if tp is None:
+            tp = (per_node or world_size) if cls.tp_by_default else 1
+        if tp > 1 and TENSOR not in cls.axes:  # checks.py names the strategies that do
             raise ConfigError(f"strategy {cls.name} has no tensor-parallel axis; set strategy.tp.size: 1")
-        data = next((a for a in cls.axes if a in DATA_AXES), None)
-        pp = world_size if "pp" in cls.axes else 1
-        if data is None:  # every rank sees the same batch: the split axis takes every process
-            tp = world_size // pp if "tp" in cls.axes and config.strategy.tp.size is None else tp
-            if tp * pp != world_size:
-                raise ConfigError(
-                    cls.advice.get("strategy.tp.size") or f"strategy {cls.name} has no data-parallel axis"
-                )
-            data = "dp_replicate"
+        pp = world_size if "pp" in cls.axes else 1  # pipeline: every rank a stage, seeing the same batch
+        data = next((a for a in cls.axes if a in DATA_AXES), DATA_AXES[0])
         return ParallelLayout.of(world_size, data_axis=data, tp=tp, pp=pp, per_node=per_node)
 
     # -- worker side ----------------------------------------------------------------------

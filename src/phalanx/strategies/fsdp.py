@@ -18,7 +18,7 @@ from phalanx.strategies import dtensor_state, tp_plan
 from phalanx.strategies.base import Sharding, Strategy
 from phalanx.strategies.construction import is_deferred, whole_model_refusal
 from phalanx.strategies.fsdp_units import shard_groups
-from phalanx.strategies.mesh_norms import squared_norm_over_mesh
+from phalanx.strategies.mesh_norms import clip_over_mesh, squared_norm_over_mesh
 from phalanx.strategies.plan_rows import PlanRow
 from phalanx.util.words import plural
 
@@ -189,6 +189,9 @@ class FSDP(Strategy):
         return _gradient_sync_off(model)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        if self.layout.tp > 1:  # split layers' gradients live on the 2-D mesh, the others on the data axis
+            world, device = self.topology.world_size, self.topology.comm_device
+            return clip_over_mesh(list(model.parameters()), max_norm, world, device)
         norm = super().clip_grad_norm_(model, max_norm)
         # The norm of sharded gradients is a DTensor reduced over every shard: the global norm.
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
