@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -131,14 +132,17 @@ class Checkpointer:
         directory = Path(manifest["path"])
         strategy = self.strategy
         layout = manifest["layout"]
-        if layout != strategy.checkpoint_layout or (layout == "dcp" and manifest["strategy"] != strategy.name):
+        # Sharded checkpoints reshard (torch.distributed.checkpoint): fsdp, tp and fsdp x tp resume
+        # one another's at any process count, and a whole-model strategy reads them whole. Whole
+        # files hold integer-keyed optimizer state that no sharded layout can place.
+        if layout == "plain" and strategy.checkpoint_layout == "dcp":
             raise PhalanxError(
                 f"checkpoint '{directory}' was written by strategy {manifest['strategy']} "
                 f"({files.describe_layout(layout)}); this run uses "
                 f"{strategy.name} ({files.describe_layout(strategy.checkpoint_layout)}): "
-                f"resume with strategy {manifest['strategy']}, "
+                f"resume with a strategy that keeps whole files (single, ddp, zero1, ...), "
                 f"or export its weights (`phalanx checkpoint export {directory} model.pt`) "
-                "and load them into the bare model"
+                "and load them with session.load_weights()"
             )
         self._check_models(objects, manifest, directory)
         _check_optimizers(objects, manifest, directory, weights_only)
@@ -146,7 +150,7 @@ class Checkpointer:
             if layout == "plain":
                 self._load_plain(objects, directory, weights_only)
             else:
-                self._load_dcp(objects, directory / SHARDS, weights_only)
+                self._load_dcp(objects, directory / SHARDS, weights_only, whole=strategy.checkpoint_layout == "plain")
         if not weights_only:
             trainer = contents.trainer(load_file(directory / TRAINER), directory / TRAINER)
             saved = contents.rng(load_file(directory / RNG), directory / RNG)
@@ -205,28 +209,38 @@ class Checkpointer:
             _load_optimizer(strategy, _model_of(objects, opt), opt, state, directory / OPTIMIZER)
         own_memory([c for opt in objects.optimizers for c in (opt.state, strategy.optimizer_state(opt))], mapped)
 
-    def _dcp_state(self, objects: TrainingObjects) -> dict[str, Any]:
+    def _dcp_state(self, objects: TrainingObjects, whole: bool = False) -> dict[str, Any]:
+        """What torch.distributed.checkpoint fills. ``whole``: for a strategy of the plain layout,
+        which reads a sharded checkpoint into its whole tensors (the bare model's own, so the load
+        lands in place) and its optimizer state keyed by parameter names."""
         strategy = self.strategy
         state: dict[str, Any] = {
-            f"model{i}": strategy.sharded_model_state_dict(m) for i, m in enumerate(objects.models)
+            f"model{i}": strategy.unwrap(m).state_dict() if whole else strategy.sharded_model_state_dict(m)
+            for i, m in enumerate(objects.models)
         }
         for j, opt in enumerate(objects.optimizers):
-            state[f"optim{j}"] = strategy.optimizer_state_dict(_model_of(objects, opt), opt)
+            model = _model_of(objects, opt)
+            state[f"optim{j}"] = (
+                strategy.named_optimizer_state_dict(model, opt) if whole else strategy.optimizer_state_dict(model, opt)
+            )
         return state
 
-    def _load_dcp(self, objects: TrainingObjects, directory: Path, weights_only: bool) -> None:
+    def _load_dcp(self, objects: TrainingObjects, directory: Path, weights_only: bool, *, whole: bool) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
         from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader
 
         strategy = self.strategy
-        state = self._dcp_state(objects)
+        state = self._dcp_state(objects, whole)
         if weights_only:
             state = {k: v for k, v in state.items() if k.startswith("model")}
         SafeReader(str(directory)).read_metadata()  # a bad file fails here, before torch logs its fallbacks
         try:
-            dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafeLoadPlanner())
+            with warnings.catch_warnings():
+                # One process without a group (single, dp) reads a sharded checkpoint whole: as meant.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafeLoadPlanner())
         except CheckpointException as err:
             # torch wraps each rank's exception (phalanx's own say what is wrong with the files).
             inner = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
@@ -235,12 +249,14 @@ class Checkpointer:
             raise PhalanxError(
                 text if isinstance(first, PhalanxError) else f"cannot read the sharded checkpoint '{directory}': {text}"
             ) from None
-        for i, model in enumerate(objects.models):
-            strategy.load_sharded_model_state_dict(model, state[f"model{i}"])
+        if not whole:  # whole tensors were filled in place
+            for i, model in enumerate(objects.models):
+                strategy.load_sharded_model_state_dict(model, state[f"model{i}"])
         if not weights_only:
+            load = strategy.load_named_optimizer_state_dict if whole else strategy.load_optimizer_state_dict
             for j, opt in enumerate(objects.optimizers):
                 with _same_group_dicts(opt):
-                    strategy.load_optimizer_state_dict(_model_of(objects, opt), opt, state[f"optim{j}"])
+                    load(_model_of(objects, opt), opt, state[f"optim{j}"])
 
     def _manifest(
         self,

@@ -21,6 +21,7 @@ from phalanx.config.schema import Config
 from phalanx.config.sections import BatchConfig, Section, StrategyConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import squared_norm
+from phalanx.strategies import dtensor_state
 from phalanx.strategies.construction import Materializer, is_deferred
 from phalanx.strategies.parallel_layout import AXES, DATA_AXES, TENSOR, ParallelLayout
 from phalanx.strategies.plan_rows import PlanRow
@@ -328,6 +329,14 @@ class Strategy:
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
+
+    def named_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state keyed by parameter names, as sharded checkpoints hold it: what a
+        strategy of the plain layout fills from one (an fsdp or tp run's checkpoint, resumed here)."""
+        return dtensor_state.optimizer_state_dict(self.unwrap(model), optimizer)
+
+    def load_named_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        dtensor_state.load_optimizer_state_dict(self.unwrap(model), optimizer, state)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state this rank holds (its shard, for sharding strategies)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.errors import PhalanxError
 from phalanx.strategies.base import Sharding
 from phalanx.strategies.ddp import DDP
 from phalanx.strategies.plan_rows import PlanRow
@@ -32,6 +33,13 @@ class Zero1(DDP):
         # A collective: every rank sends its shard to rank 0, the one that writes plain checkpoints.
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if self.topology.rank == 0 else {}
+
+    def named_optimizer_state_dict(self, model, optimizer) -> dict:
+        raise PhalanxError(
+            "a sharded checkpoint (of fsdp or tp) cannot resume under zero1: its optimizer shards are not "
+            "keyed by parameter names; resume it under ddp, fsdp or tp, or load only its weights with "
+            "session.load(path, weights_only=True)"
+        )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         local = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's optimizer of this rank's shard
