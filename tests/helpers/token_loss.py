@@ -95,6 +95,7 @@ def train(
     comm_hook: str | None = None,
     manual: bool = False,
     empty: int = 0,
+    tp: int | None = None,
 ) -> dict[str, Any]:
     """``weighted``: ``session.backward(loss, items=n)``; otherwise the plain contract. ``uniform``:
     sequences of one length; ``noise``: the gradient noise scale is estimated at every step;
@@ -102,11 +103,14 @@ def train(
     checkpoint to go on from; ``sizes``: the norm of each gradient as backward computes it (before
     any averaging or rescaling), in ``"sizes"``; ``clip``: optim.max_grad_norm; ``comm_hook``:
     strategy.ddp.comm_hook; ``manual``: no optimizer, the loop updates the weights itself;
-    ``empty``: sequences of every global batch that are all padding (see Sequences)."""
+    ``empty``: sequences of every global batch that are all padding (see Sequences); ``tp``:
+    strategy.tp.size, with TinyLM's mix split colwise and its head rowwise."""
     measure = {"noise_scale": "hook", "noise_scale_every": 1, "noise_scale_smoothing": 0.9} if noise else {}
     settings: dict[str, Any] = {"name": strategy}
     if comm_hook is not None:
         settings["ddp"] = {"comm_hook": comm_hook}
+    if tp is not None:
+        settings["tp"] = {"size": tp, "plan": {"mix": "colwise", "head": "rowwise"}}
     session = Session(
         Config(),
         strategy=settings,

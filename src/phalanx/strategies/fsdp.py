@@ -92,7 +92,9 @@ class FSDP(Strategy):
         self.tp_plan: tp_plan.TPPlan | None = None  # the 2-D layout's, once the model is split
         # This rank's gradient before the reduce-scatter averages it, for the noise scale's small
         # batch: measured in a reduce-scatter of FSDP's own kind that looks at each input first.
-        measure = config.train.noise_scale and topology.world_size > 1
+        # Not in the 2-D layout: there a reduce-scatter's input is one tensor peer's slice of the
+        # gradient, alongside copies of the unsplit layers, and no rank sees its whole own gradient.
+        measure = config.train.noise_scale and topology.world_size > 1 and self.layout.tp == 1
         self.local_norms: LocalNorms | None = LocalNorms() if measure else None
 
     @classmethod

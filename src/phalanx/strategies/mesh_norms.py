@@ -24,7 +24,9 @@ def holders(tensor: torch.Tensor, world_size: int) -> int:
     mesh = tensor.device_mesh
     shards = 1
     for dim, placement in enumerate(placements):
-        if placement.is_shard():
+        # Every kind of shard: FSDP over a tensor-parallel split shards with a strided placement,
+        # which is not a Shard. Gradients are never partial here (they are reduced by then).
+        if not placement.is_replicate() and not placement.is_partial():
             shards *= mesh.size(dim)
     return world_size // shards
 
