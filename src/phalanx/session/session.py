@@ -275,8 +275,9 @@ class Session:
         self._set_up = True
         self._announce()
         if capped:
-            kind = type(self.strategy)
-            shards = kind.sharding(self.config.strategy).parameters or kind.splits_layers
+            kind, layout = type(self.strategy), self.strategy.layout
+            shards = any(layout.size(a) > 1 for a in kind.sharding(self.config.strategy).parameters)
+            shards = shards or kind.splits_layers
             self._memory_cap.check_setup(shards_model=shards)
             self._memory_cap.start()  # what training adds counts, not what the script loaded before
         # A resumed run is back at its checkpoint when setup() returns (once all it holds is set up).
@@ -360,7 +361,10 @@ class Session:
             wrapped.stream.say = self.print  # a stream's incomplete last global batch is dropped with a line
         if train and self._batch.joins_forwards and wrapped.stream is None:
             wrapped.group, wrapped.say = self._batch.micro_batches_per_forward, self.print
-            wrapped.join_strictly = self.strategy.shards.parameters  # each forward gathers them
+            # Each forward gathers parameters sharded over the data or pipeline axis (tensor peers
+            # see the same batches anyway).
+            layout = self.strategy.layout
+            wrapped.join_strictly = any(a != TENSOR and layout.size(a) > 1 for a in self.strategy.shards.parameters)
         if train:
             wrapped.on_start = self._training_pass_starts
             wrapped.on_iterating = lambda _: self.state.restore_rng()
