@@ -236,7 +236,8 @@ def apply(model: nn.Module, mesh: Any, plan: TPPlan) -> None:
     The strings' styles take and give whole (replicated) local tensors, so a module the plan names
     fits between modules it does not: colwise gives its output's shard to the rowwise that follows,
     and a sequence_parallel norm takes the whole sequence, computes on its peer's slice of it and
-    gives the whole sequence back (one all-gather)."""
+    gives the whole sequence back (one all-gather). An embedding takes whole token ids and gives
+    whole vectors, as the modules after it expect, whichever way its table is split."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -247,6 +248,13 @@ def apply(model: nn.Module, mesh: Any, plan: TPPlan) -> None:
     )
 
     made = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    # DTensor's defaults are a Linear's (rowwise: input sharded on its last dimension; colwise: the
+    # output left sharded for the rowwise after it); token ids are whole, and so must the vectors be.
+    embedding = {
+        "colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+    modules = dict(model.named_modules())
     around = PrepareModuleInputOutput(
         input_layouts=(Replicate(),),
         desired_input_layouts=(Shard(1),),
@@ -260,8 +268,11 @@ def apply(model: nn.Module, mesh: Any, plan: TPPlan) -> None:
             # Its hooks first: the slice reaches SequenceParallel as a DTensor, which it keeps.
             parallelize_module(model, mesh, {name: around})
             parallelize_module(model, mesh, {name: SequenceParallel(use_local_output=False)})
+        elif isinstance(style, str):
+            styles = embedding if isinstance(modules[name], nn.Embedding) else made
+            parallelize_module(model, mesh, {name: styles[style]()})
         else:
-            parallelize_module(model, mesh, {name: made[style]() if isinstance(style, str) else style})
+            parallelize_module(model, mesh, {name: style})
 
 
 def split_parameters(model: nn.Module, plan: TPPlan) -> int:
