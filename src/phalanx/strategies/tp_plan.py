@@ -182,7 +182,8 @@ def _check(name: str, module: nn.Module, style: Any, tp: int, source: str) -> No
 def _check_heads(model: nn.Module, plan: TPPlan, tp: int) -> None:
     """A Hugging Face attention split colwise holds a fraction of the heads: they must divide."""
     config = getattr(model, "config", None)
-    if not any("attn" in name for name in plan.split()):
+    # Hugging Face names attention "self_attn", "attn" or "attention" (BERT, GPT-NeoX).
+    if not any(word in name for name in plan.split() for word in ("attn", "attention")):
         return
     for attr in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, attr, None)
