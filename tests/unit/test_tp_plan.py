@@ -13,7 +13,7 @@ import pytest
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.strategies.tp_plan import kept_whole_line, resolve, split_parameters
+from phalanx.strategies.tp_plan import kept_whole_line, resolve, split_parameters, unpaired_lines
 
 DIM, HIDDEN = 8, 32
 
@@ -141,6 +141,16 @@ def test_user_globs_win_over_the_automatic_plan_and_later_patterns_win():
     # The same two patterns the other way round: the broad one, given last, wins.
     plan = resolve(model, 2, {"blocks.1.mlp.2": "rowwise", "blocks.*.mlp.[02]": "colwise"})
     assert plan.styles["blocks.1.mlp.2"] == "colwise"
+
+
+def test_a_colwise_layer_no_rowwise_layer_takes_is_said_in_one_line():
+    model = Net()
+    paired = resolve(model, 2, {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"})
+    assert unpaired_lines(model, paired, 2) == []
+    alone = resolve(model, 2, {"blocks.*.mlp.0": "colwise"})  # its output would stay a slice per peer
+    lines = unpaired_lines(model, alone, 2)
+    assert len(lines) == 2 and all("\n" not in line and "1/2" in line for line in lines)
+    assert "'blocks.0.mlp.0'" in lines[0] and "set_tp_plan" in lines[0]
 
 
 def test_a_plan_given_in_python_wins_over_the_configs_and_takes_parallel_styles():

@@ -224,11 +224,30 @@ def split(
     """Resolve the plan over ``mesh`` (the tensor axis), say on the ``main`` rank what it keeps
     whole, and apply it; returns the plan."""
     plan = resolve(model, mesh.size(), configured, given)
-    line = kept_whole_line(model, plan)
-    if line and main:
-        print(line, flush=True)
+    if main:
+        for line in (kept_whole_line(model, plan), *unpaired_lines(model, plan, mesh.size())):
+            if line:
+                print(line, flush=True)
     apply(model, mesh, plan)
     return plan
+
+
+def unpaired_lines(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
+    """One line per Linear a user's plan splits colwise with no rowwise Linear in the plan that
+    takes its output features: its output stays one slice per peer, which a loss reading whole
+    logits fails on but an argmax or a metric reads silently wrong. (A model's own plan is its
+    author's: attention's key and value projections feed the attention, not a rowwise layer.)"""
+    if plan.source.endswith("own tp_plan"):
+        return []
+    modules = dict(model.named_modules())
+    taken = {modules[n].in_features for n, s in plan.styles.items() if s == "rowwise" and type(modules[n]) is nn.Linear}
+    return [
+        f"phalanx: tp splits '{name}' colwise, and no rowwise layer of the plan takes its {modules[name].out_features} "
+        f"features: its output stays 1/{tp} of them on each peer; if the model reads it whole, give that module "
+        "ColwiseParallel(output_layouts=Replicate()) with session.set_tp_plan(), or leave it out of the plan"
+        for name, style in plan.styles.items()
+        if style == "colwise" and type(modules[name]) is nn.Linear and modules[name].out_features not in taken
+    ]
 
 
 def apply(model: nn.Module, mesh: Any, plan: TPPlan) -> None:
