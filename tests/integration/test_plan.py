@@ -8,6 +8,8 @@ import pytest
 
 import phalanx
 from phalanx.plan import model_state
+from phalanx.strategies import tp_plan
+from tests.helpers import tensor_parallel, tp_memory
 from tests.helpers.cli import call_phalanx, run_phalanx
 from tests.helpers.probes import held_bytes
 
@@ -20,6 +22,24 @@ def test_plan_matches_bytes_measured_in_a_training_step(strategy, planned):
     n_params = 8 * (64 * 64 + 64)  # the model held_bytes trains: 8 x Linear(64, 64), Adam
     measured = phalanx.spawn(held_bytes, nprocs=2, args=(strategy,), cpu=True, timeout=180)
     state = model_state(planned, n_params, 2, optimizer="adam")
+    for held in measured:
+        assert held["parameters"] == pytest.approx(state.parameters, rel=0.1)
+        assert held["gradients"] == pytest.approx(state.gradients, rel=0.1)
+        assert held["optimizer"] == pytest.approx(state.optimizer, rel=0.1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy, planned", [("fsdp", "fsdp-zero3 x tp2"), ("tp", "tp2")])
+def test_a_2_x_2_layout_matches_bytes_measured_in_a_training_step(strategy, planned):
+    # 4 CPU processes: 2 data-parallel x 2 tensor peers. The planned row divides only the MLP pairs
+    # by tp; the rest of the model (attention, embeddings, norms) is whole on both peers.
+    model = tensor_parallel.build()
+    n_params = sum(p.numel() for p in model.parameters())
+    split = tp_plan.split_parameters(model, tp_plan.resolve(model, 2, {}))
+    assert 0 < split < n_params
+    measured = phalanx.spawn(tp_memory.held_bytes, nprocs=4, args=(strategy, 2), cpu=True, timeout=200)
+    state = model_state(planned, n_params, 4, optimizer="adam", split=split)
     for held in measured:
         assert held["parameters"] == pytest.approx(state.parameters, rel=0.1)
         assert held["gradients"] == pytest.approx(state.gradients, rel=0.1)

@@ -36,7 +36,7 @@ class Toy(Strategy):
     options = ToyConfig
     precisions = frozenset({"fp32"})
     supports_compile = False
-    shards = Sharding(gradients=True, optimizer=True)
+    shards = Sharding(gradients=("dp_replicate",), optimizer=("dp_replicate",))
     # Between fsdp-zero2 (2) and zero1 (3) in the plan.
     plan_rows = (PlanRow("toy-sharded", traffic=2.5, options={"rounds": 5}),)
     advice = {

@@ -17,9 +17,10 @@ from phalanx.cli import options
 from phalanx.cli.console import console as make_console
 from phalanx.errors import PhalanxError
 from phalanx.plan import count_parameters, load_factory, make_plan, measure_activations
-from phalanx.plan.accounting import host_bytes_whole, shards_by_unit, variants
+from phalanx.plan.accounting import host_bytes_whole, shards_by_unit, variant_of
 from phalanx.plan.measure import build, count_shard_units
 from phalanx.plan.report import left_out
+from phalanx.plan.tensor_split import find_split
 from phalanx.strategies.fsdp import FSDPConfig
 
 EXAMPLES = {  # name: (factory path, per-sample input shape, input dtype)
@@ -134,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     activations = checkpointed = trainable = None
     sequential = True  # unknown with --params: the pipeline row stays, with its note
     classes: list[str] = []
-    measured_on = units = None
+    measured_on = units = tensor = None
     if args.params is not None:
         if args.inputs:
             raise PhalanxError("--inputs needs --model or --example: with --params there is no model to run")
@@ -163,9 +164,10 @@ def _run(args: argparse.Namespace) -> int:
         sequential = isinstance(model, nn.Sequential)
         fsdp = FSDPConfig(wrap=args.fsdp_wrap, min_params=args.fsdp_min_params or FSDPConfig().min_params)
         units = count_shard_units(model, fsdp, "--fsdp-wrap")
+        tensor = find_split(model, devices)
         classes = args.checkpoint or _repeated_block(model)
         input_dtype = _DTYPES[args.input_dtype or dtype]
-        given = {"inputs": inputs, "inputs_name": args.inputs or ""}
+        given = {"inputs": inputs, "inputs_name": args.inputs or "", "tensor": tensor if tensor.degrees else None}
         activations = measure_activations(factory, kwargs, dims, input_dtype, args.precision, **given)
         if classes:
             checkpointed = measure_activations(factory, kwargs, dims, input_dtype, args.precision, classes, **given)
@@ -184,6 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         precision=args.precision,
         sequential=sequential,
         units=units,
+        tensor=tensor,
     )
     if args.json:
         print(
@@ -228,16 +231,17 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
         console.print(
             "construction: whole in every row (the script builds the model in each process: nothing to change)"
         )
-    for cls, why in left_out(args.precision, sequential):
+    refused = left_out(args.precision, sequential)
+    for cls, why in refused:
         console.print(f"{cls.name} is left out: {why}")
-    rows_of = variants()
-    for cls in dict.fromkeys(rows_of[r.strategy].strategy for r in plan.rows):
+    _print_tensor(console, plan, refused)
+    for cls in dict.fromkeys(variant_of(r.strategy).strategy for r in plan.rows):
         if cls.splits_layers:
             needs = "needs an nn.Sequential model; " if cls.needs_sequential else ""
             console.print(f"{cls.name}: {needs}stages assumed balanced (parameters and activations / devices)")
     sharded = [r for r in plan.rows if shards_by_unit(r.strategy)]
     if sharded:
-        name = rows_of[sharded[0].strategy].strategy.name
+        name = variant_of(sharded[0].strategy).strategy.name
         if plan.fsdp_units is None:
             console.print(
                 f"{name} set-up assumes no FSDP unit above 1/{plan.devices} of the parameters; "
@@ -275,9 +279,36 @@ def _print(plan, args, measured_on, classes, sequential: bool) -> None:
             f"recommended: {choice.setting} with {choice.construction} construction "
             f"(the least communication that fits in 90% of {plan.device_memory / _GIB:.2f} GiB)"
         )
+        if choice.tp > 1:
+            # Its model state is above fsdp-zero3's: it fits only by dividing the split layers' activations.
+            console.print(
+                f"no row above fits without tensor parallelism: {choice.strategy} divides the split layers' activations"
+            )
         console.print("phalanx.yaml:\n" + plan.config_lines)
         if plan.script_lines:
             console.print("in the script (deferred construction):\n" + plan.script_lines)
+
+
+def _print_tensor(console, plan, refused) -> None:
+    """What the tp rows split, or why there are none."""
+    if any(cls.tp_by_default for cls, _ in refused):
+        return  # strategy tp refuses the precision: said above
+    tensor = plan.tensor
+    if tensor is None:
+        console.print("tp is left out: with --params there is no model whose layers it would split")
+        return
+    for line in tensor.left_out:
+        console.print(line)
+    if not any(r.tp > 1 for r in plan.rows):
+        return
+    whole = "; attention whole on every peer" if tensor.kept_whole else ""
+    console.print(
+        f"tp rows ({tensor.source}): {len(tensor.styles)} layers split, "
+        f"{tensor.parameters:,} of {plan.n_params:,} parameters{whole}"
+    )
+    console.print(
+        "tp rows come last: each split pair all-reduces activations, forward and backward; peers repeat the rest"
+    )
 
 
 def _gpu_memory() -> float | None:

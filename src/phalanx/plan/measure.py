@@ -18,6 +18,7 @@ from torch import nn
 
 from phalanx._torch_compat import view_base
 from phalanx.errors import PhalanxError
+from phalanx.plan.tensor_split import SplitActivations, TensorSplit, watching
 from phalanx.runtime.recompute import apply_activation_checkpointing
 from phalanx.strategies.fsdp import FSDPConfig
 from phalanx.strategies.fsdp_units import shard_groups
@@ -38,11 +39,19 @@ class Activations:
     fixed: float
     measured_on: str  # "meta" (nothing allocated) or "cpu"
     weight_copies: float = 0.0  # autocast's part of ``fixed``
+    split: SplitActivations = SplitActivations()  # what a tensor-parallel plan divides (none measured: nothing)
 
-    def at(self, micro_batch: int, *, autocast: bool = True) -> float:
-        """``autocast=False`` for strategies that cast parameters themselves (fsdp): no autocast copies."""
+    def at(self, micro_batch: int, *, autocast: bool = True, tp: int = 1) -> float:
+        """``autocast=False`` for strategies that cast parameters themselves (fsdp): no autocast copies.
+        ``tp``: tensor peers, each holding 1/tp of what the plan's split layers save (and of
+        autocast's copies of their weights); the rest of the activations is whole on every peer."""
         fixed = self.fixed if autocast else max(0.0, self.fixed - self.weight_copies)
-        return fixed + self.per_sample * micro_batch
+        per_sample = self.per_sample
+        if tp > 1:
+            others = 1 - 1 / tp
+            per_sample -= others * self.split.per_sample
+            fixed -= others * (self.split.fixed + (self.split.weight_copies if autocast else 0.0))
+        return max(0.0, fixed) + per_sample * micro_batch
 
 
 def load_factory(
@@ -127,14 +136,17 @@ def measure_activations(
     *,
     inputs: InputsFn | None = None,
     inputs_name: str = "",
+    tensor: TensorSplit | None = None,
 ) -> Activations:
     """Activation memory from two micro-batches (2 and 4 samples), on the meta device when the
     model runs there (nothing is allocated), else on the CPU. ``inputs`` (named ``inputs_name`` in
-    errors) makes each micro-batch instead of ``input_shape`` and ``input_dtype``."""
+    errors) makes each micro-batch instead of ``input_shape`` and ``input_dtype``. ``tensor``: a
+    tensor-parallel plan of the model, whose share of the activations is measured too (``split``)."""
     last: Exception | None = None
+    styles = tensor.styles if tensor is not None else None
     for device in ("meta", "cpu"):
         try:
-            sizes = {}
+            sizes: dict[int, _Saved] = {}
             for batch in (2, 4):
                 model = build(factory, kwargs, device)
                 apply_activation_checkpointing(model, list(checkpoint_classes), setting="--checkpoint")
@@ -143,15 +155,26 @@ def measure_activations(
                     args, kw = (_example_input(input_shape, input_dtype, batch, device),), {}
                 else:
                     args, kw = user_inputs(inputs, inputs_name, batch, device, last_try=device == "cpu")
-                sizes[batch] = _saved_bytes(model, args, precision, device, kw)
-            per_sample = max(0.0, (sizes[4] - sizes[2]) / 2)
-            fixed = max(0.0, sizes[2] - 2 * per_sample)
-            copies = 2.0 * count_parameters(model) if _AUTOCAST[precision] is not None else 0.0
+                sizes[batch] = _saved(model, args, precision, device, kw, styles)
+            per_sample, fixed = _line(sizes[2].total, sizes[4].total)
+            n_params = count_parameters(model)
+            copies = 2.0 * n_params if _AUTOCAST[precision] is not None else 0.0
             if device == "meta":
                 # Autocast keeps a low-precision copy of the weights for the step; meta cannot run
                 # autocast, so count one 2-byte copy per parameter (the CPU run measured its own).
                 fixed += copies
-            return Activations(per_sample, fixed, device, weight_copies=min(copies, fixed))
+            copies = min(copies, fixed)
+            split = SplitActivations()
+            if tensor is not None and n_params:
+                split_per_sample, split_fixed = _line(sizes[2].split, sizes[4].split)
+                split = SplitActivations(
+                    split_per_sample,
+                    split_fixed,
+                    copies * tensor.parameters / n_params,
+                    _line(sizes[2].forward, sizes[4].forward)[0],
+                    _line(sizes[2].backward, sizes[4].backward)[0],
+                )
+            return Activations(per_sample, fixed, device, weight_copies=copies, split=split)
         except PhalanxError:
             raise
         except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as err:
@@ -224,15 +247,44 @@ def _example_input(shape: tuple[int, ...], dtype: torch.dtype, batch: int, devic
     return torch.zeros(batch, *shape, dtype=dtype, device=device)
 
 
+def _line(at_2: float, at_4: float) -> tuple[float, float]:
+    """Bytes per sample and fixed bytes from the measurements at micro-batches 2 and 4."""
+    per_sample = max(0.0, (at_4 - at_2) / 2)
+    return per_sample, max(0.0, at_2 - 2 * per_sample)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """One forward's saved bytes (``split``: those a tensor-parallel plan divides among the peers)
+    and the bytes its split layers exchange (see tensor_split.SplitWatch)."""
+
+    total: int
+    split: int = 0
+    forward: int = 0
+    backward: int = 0
+
+
 def _saved_bytes(
     model: nn.Module, x: torch.Tensor | tuple, precision: str, device: str, kwargs: dict | None = None
 ) -> int:
     """``x``: the one input tensor, or a tuple of positional arguments (with ``kwargs``)."""
+    return _saved(model, x, precision, device, kwargs).total
+
+
+def _saved(
+    model: nn.Module,
+    x: torch.Tensor | tuple,
+    precision: str,
+    device: str,
+    kwargs: dict | None = None,
+    styles: dict[str, str] | None = None,
+) -> _Saved:
     args = x if isinstance(x, tuple) else (x,)
     params = list(model.parameters())
     param_ids = {id(p) for p in params}
     param_storages = {p.untyped_storage().data_ptr() for p in params} if device != "meta" else set()
     saved: dict[int, torch.Tensor] = {}  # holding the tensors keeps their ids unique
+    divided: set[int] = set()  # keys of those a tensor-parallel plan divides
 
     def pack(t: torch.Tensor):
         # Parameters (and views of them) saved for backward are model state, not activations;
@@ -243,18 +295,26 @@ def _saved_bytes(
             return t
         if device != "meta" and t.untyped_storage().data_ptr() in param_storages:
             return t
-        saved[id(base) if device == "meta" else t.untyped_storage().data_ptr()] = base
+        key = id(base) if device == "meta" else t.untyped_storage().data_ptr()
+        saved[key] = base
+        if watch is not None and watch.divided(t, base):
+            divided.add(key)
         return t
 
     dtype = _AUTOCAST[precision]
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None and device == "cpu" else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        model(*args, **(kwargs or {}))
-    total = 0
-    for t in saved.values():
+    # Autocast does not run on meta tensors: float tensors there take the compute dtype's size.
+    scale = torch.finfo(dtype).bits / 32 if device == "meta" and dtype is not None else 1
+    with watching(model, styles) as watch:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            model(*args, **(kwargs or {}))
+    total = split = 0
+    for key, t in saved.items():
         nbytes = t.untyped_storage().nbytes() if device != "meta" else t.numel() * t.element_size()
-        if device == "meta" and dtype is not None and t.is_floating_point():
-            # Autocast does not run on meta tensors: saved float activations take the compute dtype.
-            nbytes = nbytes * torch.finfo(dtype).bits // 32
+        if t.is_floating_point():
+            nbytes = int(nbytes * scale)
         total += nbytes
-    return total
+        split += nbytes if key in divided else 0
+    if watch is None:
+        return _Saved(total)
+    return _Saved(total, split, int(watch.forward * scale), int(watch.backward * scale))

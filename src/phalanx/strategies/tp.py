@@ -33,7 +33,9 @@ class TensorParallel(Strategy):
     shards = Sharding(parameters=("tp",), gradients=("tp",), optimizer=("tp",))
     # A split layer's gradient is a slice: no rank holds its own whole small-batch gradient.
     local_micro_step_gradients = False
-    plan_rows = (PlanRow("tp", traffic=0),)
+    # Its replicas all-reduce gradients as ddp does (2 volumes of a peer's parameters, none without
+    # replicas); the planner adds the activations its split layers all-reduce (plan/traffic.py).
+    plan_rows = (PlanRow("tp", traffic=2),)
     advice: ClassVar[dict[str, str]] = {
         "precision.mode": "(its loss scaling cannot unscale split and whole gradients together); use bf16",
     }
