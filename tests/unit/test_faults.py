@@ -25,3 +25,19 @@ def test_error_file_is_never_seen_half_written(tmp_path, monkeypatch):
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))
     assert failure.message["message"] == "ValueError: bad batch size"
     assert "raise ValueError" in failure.error_file_data["message"]["extraInfo"]["py_callstack"]
+
+
+def test_sigterm_watches_closed_out_of_order_give_the_signal_back(tmp_path):
+    # Two Sessions in one process (a benchmark's contenders), closed oldest first: the newer watch
+    # stays working, and when it closes SIGTERM and the wake-up fd are what they were before both.
+    import signal
+
+    from phalanx.faults.preempt import TermWatch
+
+    before = signal.getsignal(signal.SIGTERM)
+    older, newer = TermWatch(str(tmp_path), 1.0, 0), TermWatch(str(tmp_path), 1.0, 0)
+    older.close()
+    assert signal.getsignal(signal.SIGTERM) is not before  # the newer watch still holds it
+    newer.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.set_wakeup_fd(-1) == -1

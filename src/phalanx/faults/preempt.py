@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from phalanx.faults.markers import PREEMPT_REQUEST, TERMINATED_EXIT
 
@@ -27,6 +28,10 @@ _MARKER_WAIT_S = 1.0
 
 
 class TermWatch:
+    # The watches in the order they were installed: signal handlers belong to the process, and a
+    # watch closed under a newer one hands that one what it had replaced.
+    _installed: ClassVar[list["TermWatch"]] = []
+
     def __init__(self, run_dir: str | None, grace: float, rank: int):
         self.request = Path(run_dir) / PREEMPT_REQUEST if run_dir else None
         self.grace = grace
@@ -38,23 +43,33 @@ class TermWatch:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         try:
-            self._old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            self.replaced_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         except ValueError:
             os.close(read_fd)
             os.close(write_fd)
             return
-        self._old_handler = signal.signal(signal.SIGTERM, lambda *_: None)  # the thread below acts on it
+        self.replaced_handler = signal.signal(signal.SIGTERM, lambda *_: None)  # the thread below acts on it
         self._read_fd, self._write_fd = read_fd, write_fd
         threading.Thread(target=self._listen, name="phalanx-sigterm", daemon=True).start()
         self.installed = True
+        TermWatch._installed.append(self)
 
     def close(self) -> None:
         """Give SIGTERM back to whoever had it (a test process may create many Sessions)."""
         if not self.installed or threading.current_thread() is not threading.main_thread():
             return
         self.installed = False
-        signal.set_wakeup_fd(self._old_fd)
-        signal.signal(signal.SIGTERM, self._old_handler if self._old_handler is not None else signal.SIG_DFL)
+        above = TermWatch._installed.index(self) + 1
+        TermWatch._installed.remove(self)
+        if above <= len(TermWatch._installed):
+            # A newer Session's watch was installed over this one (Sessions closed out of order): it
+            # stays, and gives back what this one replaced when it closes.
+            newer = TermWatch._installed[above - 1]
+            newer.replaced_fd, newer.replaced_handler = self.replaced_fd, self.replaced_handler
+        else:
+            signal.set_wakeup_fd(self.replaced_fd)
+            handler = self.replaced_handler
+            signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
         os.close(self._write_fd)  # the listening thread reads end-of-file and closes its side
 
     def _listen(self) -> None:
