@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: every part runs whatever the one before did, each is reported
 # (passed/failed, exit code, seconds), and the exit code is non-zero when any failed.
-#   1. the CUDA tests (tests/gpu; they skip without a GPU), at most 300 s
-#   2. the GPU acceptance tier, tests/gpu/acceptance (python -m tests.gpu.acceptance.run: every CUDA
+#   1. the CUDA tests (tests/gpu but part 2's file; they skip without a GPU), at most 300 s
+#   2. tensor parallelism on one GPU (tests/gpu/test_tensor_parallel.py: tp alone, tp 2 and tp 2 x dp 2
+#      on processes sharing cuda:0 over gloo, fsdp x tp 1 x 2), at most 240 s
+#   3. the GPU acceptance tier, tests/gpu/acceptance (python -m tests.gpu.acceptance.run: every CUDA
 #      path one GPU can run; about 7 minutes on an H200, at most 540 s), its arguments passed on,
 #      e.g. --out runs/gpu-check.json
 # Set-up as usual: `make setup` first. PY picks the interpreter (default .venv/bin/python).
@@ -33,7 +35,9 @@ part() {  # part NAME COMMAND...: run it, remember its exit code, time and last 
 }
 
 nvidia-smi -L || echo "gpu_check.sh: nvidia-smi not found or no GPU listed"
-part "CUDA tests (tests/gpu)" timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/gpu
+tp_tests=tests/gpu/test_tensor_parallel.py
+part "CUDA tests (tests/gpu)" timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/gpu --ignore="$tp_tests"
+part "tensor parallel" timeout 240 "$PY" -m pytest -q -s -p no:cacheprovider -m cuda "$tp_tests"
 part "tests/gpu/acceptance" timeout 540 "$PY" -m tests.gpu.acceptance.run "$@"
 
 echo

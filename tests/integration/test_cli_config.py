@@ -42,3 +42,16 @@ def test_show_bad_value(tmp_path):
     result = call_phalanx("config", "show", "--set", "train.epochs=0", cwd=tmp_path)
     assert result.returncode == 2
     assert "invalid value 0 for 'train.epochs'" in result.stderr
+
+
+def test_show_lists_the_tensor_parallel_plan_empty_or_by_pattern(tmp_path):
+    # An empty mapping has no leaf in Config.flat(); config show still gives strategy.tp.plan a row.
+    empty = json.loads(call_phalanx("config", "show", "--json", "--set", "strategy.name=tp", cwd=tmp_path).stdout)
+    assert empty["strategy.tp.plan"] == {"value": {}, "source": "default"}
+    assert empty["strategy.tp.size"] == {"value": None, "source": "default"}
+    plan = "strategy.tp.plan={'blocks.*.mlp.0': colwise}"
+    args = ("config", "show", "--json", "--set", "strategy.name=fsdp", "--set", "strategy.tp.size=2", "--set", plan)
+    shown = json.loads(call_phalanx(*args, cwd=tmp_path).stdout)
+    assert "strategy.tp.plan" not in shown
+    assert shown["strategy.tp.plan.blocks.*.mlp.0"] == {"value": "colwise", "source": "--set"}
+    assert shown["strategy.tp.size"] == {"value": 2, "source": "--set"}

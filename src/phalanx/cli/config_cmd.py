@@ -85,7 +85,7 @@ def _ask() -> Config:
 def _run_show(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides=args.overrides, context=LaunchContext())
     check_combination(config)  # an unknown strategy, or one refusing these settings, is an error here too
-    flat, sources = config.flat(), config.sources
+    flat, sources = _settings(config.model_dump()), config.sources
     if args.json:
         print(
             json.dumps(
@@ -103,3 +103,15 @@ def _run_show(args: argparse.Namespace) -> int:
         table.add_row(key, scalar(value), source, style=style)
     console().print(table)
     return 0
+
+
+def _settings(tree: dict, prefix: str = "") -> dict[str, object]:
+    """Leaf values by dotted path, as ``Config.flat()`` gives them, and an empty mapping as a row of
+    its own (``strategy.tp.plan: {}``), which ``flat()`` has no leaf for."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_settings(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
