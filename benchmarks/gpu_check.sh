@@ -7,6 +7,9 @@
 #   3. the GPU acceptance tier, tests/gpu/acceptance (python -m tests.gpu.acceptance.run: every CUDA
 #      path one GPU can run; about 7 minutes on an H200, at most 540 s), its arguments passed on,
 #      e.g. --out runs/gpu-check.json
+# PARTS picks parts by number (default 1,2,3): the three limits add up to 18 minutes, over one
+# device command's 10, so a lent GPU runs `PARTS=1,2 bash benchmarks/gpu_check.sh` (9 minutes at
+# most), then `PARTS=3 ...` if time is left.
 # Set-up as usual: `make setup` first. PY picks the interpreter (default .venv/bin/python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +23,14 @@ lasts=()
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
+PARTS=${PARTS:-1,2,3}
+number=0
+
 part() {  # part NAME COMMAND...: run it, remember its exit code, time and last line of output
     local name=$1 started rc
     shift
+    number=$((number + 1))
+    case ",$PARTS," in *",$number,"*) ;; *) echo "== gpu_check.sh: $name: not in PARTS=$PARTS"; return ;; esac
     echo "== gpu_check.sh: $name: $*"
     started=$(date +%s)
     "$@" 2>&1 | tee "$log"
