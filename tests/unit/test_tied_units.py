@@ -130,3 +130,14 @@ def test_one_process_fsdp_keeps_the_tie_and_trains(deferred):
         for key in reference:
             assert torch.equal(got_start[key], start[key]), key
             assert torch.allclose(got[key], reference[key], rtol=1e-5, atol=1e-7), key
+
+
+def test_automatic_wrapping_never_makes_a_container_without_forward_a_unit():
+    # The demo GPT's blocks share a ModuleList whose attention and norms, unclaimed by the MLP
+    # units, add up past min_params: fully_shard refuses a ModuleList, so the model takes them.
+    from phalanx.demo.gpt import TinyGPT
+
+    model = TinyGPT()
+    groups = shard_groups(model, [], 100_000, "strategy.fsdp.wrap")
+    assert groups and all(type(m).forward is not nn.Module.forward for group in groups for m in group)
+    assert model.blocks not in [m for group in groups for m in group]

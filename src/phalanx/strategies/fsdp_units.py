@@ -49,7 +49,10 @@ def shard_groups(model: nn.Module, wrap: list[str], min_params: int, setting: st
     sharded last, is not among them. ``setting`` names ``wrap`` in errors."""
     tree = _Tree(model)
     grower = _Grower(tree, parameter_holders(model), init_writes(model) if is_deferred(model) else {})
-    candidates = submodules_of(model, wrap, setting) if wrap else [m for m in tree.order if m is not model]
+    # A container without a forward of its own (nn.ModuleList, nn.ModuleDict) is never a unit:
+    # fully_shard hooks the forward, and refuses such a module.
+    automatic = [m for m in tree.order if m is not model and type(m).forward is not nn.Module.forward]
+    candidates = submodules_of(model, wrap, setting) if wrap else automatic
     groups: list[list[nn.Module]] = []
     for module in candidates:
         if id(module) in grower.taken:  # in a group already, with a weight it shares
