@@ -82,7 +82,7 @@ def test_tp_on_two_processes_trains_like_one(reference, ddp):
     ranks = _spawn(2, "tp", 2)
     out = ranks[0]
     _weights_match(out, reference, "tp 2")
-    assert out["describe"].startswith("tp over 2 tensor-parallel (4 modules split (automatic: MLP blocks))")
+    assert out["describe"].startswith("tp over 2 tensor-parallel, 4 modules split (automatic: MLP blocks)")
     # Both peers see the whole global batch: one data-parallel process.
     assert out["batch"] == {**ddp[0]["batch"], "micro_batch_size": h.GLOBAL_BATCH, "data_parallel_size": 1}
     _collectives_match(ranks, ddp, reference)
@@ -104,7 +104,7 @@ def test_a_plan_of_the_users_own_trains_like_one(how, reference):
         kwargs, source, split = {"given": given}, "the plan given to setup()", 5
     out = _spawn(2, "tp", 2, **kwargs)[0]
     _weights_match(out, reference, f"tp 2, {how}")
-    assert out["plan"] == source and f"({split} modules split ({source}))" in out["describe"]
+    assert out["plan"] == source and f", {split} modules split ({source})" in out["describe"]
     assert out["ids"] == list(range(h.EVAL))
     assert torch.allclose(out["eval_losses"], reference["eval_losses"], rtol=1e-4)
 
@@ -153,7 +153,7 @@ def test_a_hugging_face_model_trains_through_its_own_tp_plan_like_one_process():
     ranks = phalanx.spawn(h.hf_train, nprocs=2, args=(2,), cpu=True, timeout=TIMEOUT)
     out = ranks[0]
     assert out["plan"] == "LlamaForCausalLM's own tp_plan"
-    assert "(14 modules split (LlamaForCausalLM's own tp_plan))" in out["describe"]
+    assert ", 14 modules split (LlamaForCausalLM's own tp_plan)" in out["describe"]
     assert "model.layers.1.self_attn.q_proj" in out["split"] and "model.layers.0.mlp.down_proj" in out["split"]
     assert out["steps"] == h.HF_STEPS and out["state"].keys() == expected.keys()
     difference = rel_diff(out["state"], expected)

@@ -130,7 +130,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     # Late: importing the launcher (spawn, the CLI) should not load the Session and its collaborators.
     from phalanx.session.batch_plan import config_plan
 
-    config_plan(config, strategy_cls, world)  # refuses sizes the Session would refuse
+    config_plan(config, strategy_cls, world, devices.nproc)  # refuses sizes the Session would refuse
     # The run as the checkpoints it writes will record it (launch() refuses another run's checkpoint).
     run = of_launch(config, strategy_cls.counted_settings(), request.script, request.script_args)
     # Last, as nothing after it can fail. Absolute, so a script that changes directory still writes

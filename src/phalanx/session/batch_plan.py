@@ -34,13 +34,16 @@ from phalanx.strategies import Strategy
 from phalanx.topology import Topology
 
 
-def config_plan(config: Config, strategy: type[Strategy], world_size: int) -> BatchPlan | None:
-    """The plan the config's sizes alone give on ``world_size`` processes; None when it sets no
+def config_plan(
+    config: Config, strategy: type[Strategy], world_size: int, per_node: int | None = None
+) -> BatchPlan | None:
+    """The plan the config's sizes alone give on ``world_size`` processes (``per_node`` on each
+    node, where known: a tensor-parallel group stays within one); None when it sets no
     size (a training loader's ``batch_size`` will). Sizes that cannot be met raise ConfigError: the
     launcher asks before any process starts, so that it refuses what the Session would."""
     if not _sets_a_size(config.batch):
         return None
-    return strategy.plan_batch(config, world_size, config.batch.global_batch_size)
+    return strategy.plan_batch(config, world_size, config.batch.global_batch_size, per_node=per_node)
 
 
 def _sets_a_size(batch: BatchConfig, loader_batch_size: int | None = None) -> bool:
@@ -69,7 +72,8 @@ class BatchOwner:
         self._say = say
         self._layout = LayoutLock(config, given, sections)
         # Refuse an impossible batch when the Session is built rather than at setup(), which may refine it.
-        self._plan = config_plan(config, type(strategy), self._world_size)
+        self._per_node = topology.local_world_size
+        self._plan = config_plan(config, type(strategy), self._world_size, self._per_node)
         self._layout.check(self._plan, None, self._sizes)
         self._lr_scaling: LRScaling | None = None  # at setup: the reference may be a loader's batch_size
         self._noise = NoiseProbe(config, strategy, topology, models)  # the Session feeds it gradients
@@ -206,7 +210,8 @@ class BatchOwner:
 
     def _sizes(self, global_batch_size: int | None, batch: BatchConfig | None = None) -> BatchPlan:
         """``batch``: other sizes than the config's (the layout lock plans the script's own)."""
-        return type(self._strategy).plan_batch(self._config, self._world_size, global_batch_size, batch)
+        kind = type(self._strategy)
+        return kind.plan_batch(self._config, self._world_size, global_batch_size, batch, per_node=self._per_node)
 
     def _say_why_no_noise_scale(self) -> None:
         why = self._noise.why_not

@@ -132,14 +132,19 @@ class Strategy:
 
     @classmethod
     def plan_batch(
-        cls, config: Config, world_size: int, global_batch_size: int | None, batch: BatchConfig | None = None
+        cls,
+        config: Config,
+        world_size: int,
+        global_batch_size: int | None,
+        batch: BatchConfig | None = None,
+        per_node: int | None = None,
     ) -> BatchPlan:
-        """The batch plan on ``world_size`` processes from ``batch``'s sizes (default: the config's)
-        and ``global_batch_size``: what the Session trains with, and what the launcher checks before
-        any worker starts."""
+        """The batch plan on ``world_size`` processes (``per_node`` on each node, where known) from
+        ``batch``'s sizes (default: the config's) and ``global_batch_size``: what the Session trains
+        with, and what the launcher checks before any worker starts."""
         b = batch or config.batch
         return plan_batch(
-            cls.layout_for(config, world_size).dp_size,
+            cls.layout_for(config, world_size, per_node).dp_size,
             global_batch_size,
             b.micro_batch_size,
             b.max_micro_batch_size,

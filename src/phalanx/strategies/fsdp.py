@@ -224,7 +224,7 @@ class FSDP(Strategy):
         mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"
         if self.layout.tp > 1:
             split = f", {self.tp_plan.describe()}" if self.tp_plan is not None else ""
-            return f"fsdp x tp over {self.layout.describe()} ({mode}{split})"
+            return f"fsdp x tp over {self.layout.describe()} ({mode}){split}"
         return f"fsdp over {plural(self.topology.world_size, 'process')} ({mode})"
 
 

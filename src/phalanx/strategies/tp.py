@@ -107,7 +107,7 @@ class TensorParallel(Strategy):
         dtensor_state.load_optimizer_state_dict(model, optimizer, state)
 
     def describe(self) -> str:
-        split = f" ({self.tp_plan.describe()})" if self.tp_plan is not None else ""
+        split = f", {self.tp_plan.describe()}" if self.tp_plan is not None else ""
         return f"tp over {self.layout.describe()}{split}"
 
 
