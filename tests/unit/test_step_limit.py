@@ -72,3 +72,29 @@ def test_a_limit_beyond_the_epochs_changes_nothing():
 
 def test_no_limit_by_default():
     assert Config().train.max_steps is None
+
+
+def test_a_limit_inside_the_last_epoch_keeps_it_the_epoch(tmp_path):
+    # A one-epoch run stopped at the limit and saved after its loop: the checkpoint is inside
+    # epoch 1, so a resume with a higher limit trains the rest of it (it did nothing before).
+    def run(limit):
+        session = Session(
+            Config(),
+            batch={"global_batch_size": 8},
+            train={"progress": False, "epochs": 1, "max_steps": limit},
+            checkpoint={"dir": str(tmp_path), "resume": "auto"},
+        )
+        model = torch.nn.Linear(4, 1)
+        model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))  # 8 steps in the epoch
+        loader = session.setup(DataLoader(data, batch_size=8, shuffle=True))
+        for _ in session.epochs():
+            for x, y in loader:
+                _step(session, model, x, y)
+        epoch, steps = session.epoch, session.step_count
+        session.save()
+        session.close()
+        return epoch, steps
+
+    assert run(LIMIT) == (0, LIMIT)
+    assert run(100) == (1, 8)  # the rest of the epoch, then it is done

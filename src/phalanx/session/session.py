@@ -471,6 +471,8 @@ class Session:
             self._recovery.flush()  # a save the epoch's last step asked for
             if self.state.micro:
                 self._discard_partial_window()
+            if self._step_limit.reached() and not self.state.ends_epoch():
+                return  # stopped inside the epoch: a save after the loop resumes into its rest
         self.state.epoch = total
 
     def progress(self, loader: DeviceLoader | DataLoader, description: str | None = None) -> Iterator[Any]:
