@@ -431,3 +431,12 @@ def test_the_session_takes_the_launchers_script_and_records_its_view(tmp_path):
     identity = RunIdentity.of_session(Config.load(), "ddp", context)
     assert identity.record["script"] == launched["script"] and identity.record["launch"] == launched
     assert identity.record["settings"] == launched["settings"]
+
+
+def test_another_script_is_named_as_another_script(tmp_path):
+    train, plan = tmp_path / "train.py", tmp_path / "plan.py"
+    train.write_text("print(1)\n")
+    plan.write_text("print(2)\n")
+    saved = {"script": run_identity.script_identity(str(train), [])}
+    now = {"script": run_identity.script_identity(str(plan), [])}
+    assert run_identity.differences(saved, now) == ["script: train.py saved it, this run is plan.py"]

@@ -98,8 +98,13 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     out = []
     old, new = saved.get("script"), now.get("script")
     if old and new:
-        if old["sha256"] != new["sha256"]:
-            out.append(f"script {Path(new['path']).name}: its content differs from the one that saved it")
+        if old["sha256"] != new["sha256"]:  # the same content elsewhere (a copied project) is the same script
+            was, now_name = Path(old.get("path") or "").name, Path(new["path"]).name
+            out.append(
+                f"script: {was} saved it, this run is {now_name}"
+                if was and was != now_name
+                else f"script {now_name}: its content differs from the one that saved it"
+            )
         if old["args"] != new["args"]:
             out.append(f"script arguments: {_args(old['args'])} -> {_args(new['args'])}")
     before, after = saved.get("settings") or {}, now.get("settings") or {}
