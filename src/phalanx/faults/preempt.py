@@ -30,7 +30,7 @@ _MARKER_WAIT_S = 1.0
 class TermWatch:
     # The watches in the order they were installed: signal handlers belong to the process, and a
     # watch closed under a newer one hands that one what it had replaced.
-    _installed: ClassVar[list["TermWatch"]] = []
+    installed_watches: ClassVar[list["TermWatch"]] = []
 
     def __init__(self, run_dir: str | None, grace: float, rank: int):
         self.request = Path(run_dir) / PREEMPT_REQUEST if run_dir else None
@@ -52,19 +52,19 @@ class TermWatch:
         self._read_fd, self._write_fd = read_fd, write_fd
         threading.Thread(target=self._listen, name="phalanx-sigterm", daemon=True).start()
         self.installed = True
-        TermWatch._installed.append(self)
+        TermWatch.installed_watches.append(self)
 
     def close(self) -> None:
         """Give SIGTERM back to whoever had it (a test process may create many Sessions)."""
         if not self.installed or threading.current_thread() is not threading.main_thread():
             return
         self.installed = False
-        above = TermWatch._installed.index(self) + 1
-        TermWatch._installed.remove(self)
-        if above <= len(TermWatch._installed):
+        above = TermWatch.installed_watches.index(self) + 1
+        TermWatch.installed_watches.remove(self)
+        if above <= len(TermWatch.installed_watches):
             # A newer Session's watch was installed over this one (Sessions closed out of order): it
             # stays, and gives back what this one replaced when it closes.
-            newer = TermWatch._installed[above - 1]
+            newer = TermWatch.installed_watches[above - 1]
             newer.replaced_fd, newer.replaced_handler = self.replaced_fd, self.replaced_handler
         else:
             signal.set_wakeup_fd(self.replaced_fd)
