@@ -110,6 +110,15 @@ def test_a_plan_of_the_users_own_trains_like_one(how, reference):
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_sequence_parallel_norms_are_clipped_by_their_whole_gradient():
+    # A sequence-parallel norm's weight gradient is a partial sum on each peer: clipping must read
+    # the sum (it read each peer's part as whole: 1.3e-3 off one process).
+    plan = {"blocks.*.norm[12]": "sequence_parallel", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    out = _spawn(2, "tp", 2, plan=plan, optim={"max_grad_norm": CLIP})[0]
+    _weights_match(out, {"state": h.reference(max_grad_norm=CLIP)["state"]}, "tp 2, sequence parallel, clipped")
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_tp_peers_as_data_parallel_replicas_train_like_one(reference, ddp):
     ranks = _spawn(4, "tp", 2)
     out = ranks[0]

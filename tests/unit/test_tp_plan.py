@@ -10,6 +10,8 @@ import ast
 import re
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import ConfigError
@@ -26,6 +28,21 @@ class GatedMLP(nn.Module):
         self.gate = nn.Linear(dim, hidden, bias=False)
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class SoftmaxMLP(nn.Module):
+    """MLP-shaped, but its hidden step normalises over the hidden units: no peer can hold a slice."""
+
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.softmax(self.up(x), dim=-1))
 
 
 class HeadAttention(nn.Module):
@@ -81,6 +98,25 @@ def test_the_automatic_plan_splits_gate_and_up_colwise_and_down_rowwise():
     plan = resolve(model, 4, {})
     assert plan.styles == {"mlp.gate": "colwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
     assert split_parameters(model, plan) == 3 * DIM * 16
+
+
+def test_an_mlp_whose_hidden_units_mix_is_kept_whole_and_said():
+    model = nn.Sequential()
+    model.add_module("mixing", SoftmaxMLP())
+    model.add_module("mlp", nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM)))
+    plan = resolve(model, 2, {})
+    assert set(plan.styles) == {"mlp.0", "mlp.2"} and plan.mixing == ("mixing",)
+    alone = nn.Sequential()
+    alone.add_module("mixing", SoftmaxMLP())
+    message = _refusal(alone, 2)
+    assert "'mixing' mixes its hidden units" in message and "\n" not in message
+
+
+def test_a_split_of_a_tied_weight_is_refused_in_one_line():
+    model = nn.Sequential(nn.Embedding(16, DIM), nn.Linear(DIM, 16, bias=False))
+    model[1].weight = model[0].weight  # the output layer reads the embedding's table
+    message = _refusal(model, 2, {"0": "rowwise"})
+    assert "tied weight" in message and "'0'" in message and "'1'" in message and "\n" not in message
 
 
 def test_what_is_not_an_mlp_pair_is_left_alone():

@@ -209,7 +209,7 @@ class Checkpointer:
             _load_optimizer(strategy, _model_of(objects, opt), opt, state, directory / OPTIMIZER)
         own_memory([c for opt in objects.optimizers for c in (opt.state, strategy.optimizer_state(opt))], mapped)
 
-    def _dcp_state(self, objects: TrainingObjects, whole: bool = False) -> dict[str, Any]:
+    def _dcp_state(self, objects: TrainingObjects, whole: bool = False, weights_only: bool = False) -> dict[str, Any]:
         """What torch.distributed.checkpoint fills. ``whole``: for a strategy of the plain layout,
         which reads a sharded checkpoint into its whole tensors (the bare model's own, so the load
         lands in place) and its optimizer state keyed by parameter names."""
@@ -218,7 +218,7 @@ class Checkpointer:
             f"model{i}": strategy.unwrap(m).state_dict() if whole else strategy.sharded_model_state_dict(m)
             for i, m in enumerate(objects.models)
         }
-        for j, opt in enumerate(objects.optimizers):
+        for j, opt in enumerate([] if weights_only else objects.optimizers):
             model = _model_of(objects, opt)
             state[f"optim{j}"] = (
                 strategy.named_optimizer_state_dict(model, opt) if whole else strategy.optimizer_state_dict(model, opt)
@@ -232,9 +232,7 @@ class Checkpointer:
         from phalanx.checkpoint.safe import SafeLoadPlanner, SafeReader
 
         strategy = self.strategy
-        state = self._dcp_state(objects, whole)
-        if weights_only:
-            state = {k: v for k, v in state.items() if k.startswith("model")}
+        state = self._dcp_state(objects, whole, weights_only)
         SafeReader(str(directory)).read_metadata()  # a bad file fails here, before torch logs its fallbacks
         try:
             with warnings.catch_warnings():

@@ -48,6 +48,11 @@ class TensorParallel(Strategy):
         self._syncing = True  # False inside no_sync(): accumulation's other micro-steps
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.topology.world_size > 1:
+            # As DDP does: a script that changes weights on rank 0 only (a load of its own) trains
+            # one model. Split layers are cut from each peer group's first rank; the rest would
+            # otherwise stay as each rank built it.
+            broadcast_from_first(list(model.parameters()) + list(model.buffers()))
         main, before = self.topology.is_main, self._replaced.before(model)
         plan, given = self.config.strategy.tp.plan, self.given_tp_plan
         self.tp_plan = tp_plan.split(model, self.mesh["tp"], plan, given, main=main)
@@ -69,9 +74,11 @@ class TensorParallel(Strategy):
 
     def backward(self, loss: torch.Tensor, precision, accumulation_steps: int) -> torch.Tensor:
         reported = super().backward(loss, precision, accumulation_steps)
-        if self._syncing and self.layout.dp_replicate > 1:
-            grads = [p.grad for m in self._models for p in m.parameters() if p.grad is not None]
-            average_over(grads, self.data_group, self.layout.dp_replicate)
+        if self._syncing:
+            params = [p for m in self._models for p in m.parameters() if p.requires_grad]
+            settle_partial(params)
+            if self.layout.dp_replicate > 1:
+                average_over(params, self.data_group, self.layout.dp_replicate)
         return reported
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -111,18 +118,71 @@ class TensorParallel(Strategy):
         return f"tp over {self.layout.describe()}{split}"
 
 
-def average_over(grads: list[torch.Tensor], group: Any, size: int) -> None:
-    """Average the gradients' local pieces over the data-parallel ``group`` of ``size`` ranks: one
-    all-reduce per dtype, through a flat buffer."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        by_dtype.setdefault(local.dtype, []).append(local)
-    for pieces in by_dtype.values():
-        flat = torch.cat([p.reshape(-1) for p in pieces])
+def settle_partial(params: list[nn.Parameter]) -> None:
+    """A gradient left as a per-peer partial sum (a sequence-parallel norm's weight) becomes the
+    whole sum on every peer: what clipping, the norm and the update read as the gradient."""
+    for p in params:
+        placements = getattr(p.grad, "placements", None)
+        if placements and any(q.is_partial() for q in placements):
+            from torch.distributed.tensor import Replicate
+
+            p.grad = p.grad.redistribute(placements=[Replicate() if q.is_partial() else q for q in placements])
+
+
+def average_over(params: list[nn.Parameter], group: Any, size: int) -> None:
+    """Average the parameters' gradients (their local pieces) over the data-parallel ``group`` of
+    ``size`` ranks: one all-reduce per dtype through a flat buffer, with every parameter in the
+    same place on every rank. A rank whose data left a parameter without a gradient sends zeros for
+    it, as DDP does; one that no rank's data reached keeps no gradient (a count per parameter says)."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for same in by_dtype.values():
+        pieces = [_local(p.grad) if p.grad is not None else None for p in same]
+        sizes = [_local(p).numel() for p in same]
+        flat = torch.cat(
+            [
+                piece.reshape(-1) if piece is not None else _local(p).new_zeros(n)
+                for p, piece, n in zip(same, pieces, sizes)
+            ]
+            + [_local(same[0]).new_tensor([0.0 if piece is None else 1.0 for piece in pieces])]
+        )
         dist.all_reduce(flat, group=group)
-        flat /= size
+        had = flat[-len(same) :].tolist()  # once per step, with the all-reduce already waited on
         offset = 0
-        for piece in pieces:
-            piece.copy_(flat[offset : offset + piece.numel()].view_as(piece))
-            offset += piece.numel()
+        for p, piece, n, count in zip(same, pieces, sizes, had):
+            if count > 0:
+                averaged = flat[offset : offset + n].view(_local(p).shape) / size
+                if piece is None:
+                    p.grad = _like(p, averaged)
+                else:
+                    piece.copy_(averaged)
+            offset += n
+
+
+def broadcast_from_first(tensors: list[torch.Tensor]) -> None:
+    """Every rank takes global rank 0's values of ``tensors`` (one broadcast per dtype and device)."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for same in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            dist.broadcast(flat, src=0)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _like(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``param`` from its local piece: a DTensor of the same placements where it is one."""
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    return local

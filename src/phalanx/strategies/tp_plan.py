@@ -20,6 +20,8 @@ from typing import Any, Mapping
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.strategies.tp_auto import automatic
+from phalanx.util.modules import parameter_holders
 
 # Names of the styles a config may give; their DTensor styles are made in styles().
 STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
@@ -37,6 +39,8 @@ class TPPlan:
     styles: dict[str, Any]
     source: str
     kept_whole: tuple[str, ...] = ()
+    # MLP-shaped blocks the automatic plan leaves whole: their step between up and down mixes units.
+    mixing: tuple[str, ...] = ()
 
     def split(self) -> dict[str, Any]:
         """The modules actually split (``replicate`` keeps a module whole)."""
@@ -55,11 +59,33 @@ def resolve(model: nn.Module, tp: int, configured: Mapping[str, str], given: Map
         styles = _expand(dict(given or configured), modules, source)
         plan = TPPlan(styles, source)
     else:
-        plan = _huggingface(model, modules) or _automatic(model, modules, tp)
+        plan = _huggingface(model, modules)
+        if plan is None:
+            styles, whole, mixing = automatic(model, modules)
+            plan = TPPlan(styles, "automatic: MLP blocks", whole, mixing)
     for name, style in plan.styles.items():
         _check(name, modules[name], style, tp, plan.source)
     _check_heads(model, plan, tp)
+    _check_ties(model, plan)
     return plan
+
+
+def _check_ties(model: nn.Module, plan: TPPlan) -> None:
+    """A split module's weight held by a module outside it as well (an embedding tied to the
+    output layer) would be split in one holder and stay whole in the other: untied, silently."""
+    modules, holders = dict(model.named_modules()), parameter_holders(model)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    for name in plan.split():
+        inside = {id(m) for m in modules[name].modules()}
+        for own, param in modules[name].named_parameters(recurse=False):
+            other = next((m for m, _ in holders.get(id(param), []) if id(m) not in inside), None)
+            if other is not None:
+                raise ConfigError(
+                    f"{plan.source}: module '{name}' shares its {own} with '{names.get(id(other), '?')}' "
+                    "(a tied weight), "
+                    "which a split of one holder would untie; leave it out of the plan (or 'replicate'), "
+                    "or untie the weights"
+                )
 
 
 def _expand(patterns: dict[str, Any], modules: dict[str, nn.Module], source: str) -> dict[str, Any]:
@@ -99,49 +125,6 @@ def _huggingface(model: nn.Module, modules: dict[str, nn.Module]) -> TPPlan | No
         patterns[prefix + pattern] = _HF_STYLES[style]
     return TPPlan(
         _expand(patterns, modules, f"{type(model).__name__}'s own tp_plan"), f"{type(model).__name__}'s own tp_plan"
-    )
-
-
-def _automatic(model: nn.Module, modules: dict[str, nn.Module], tp: int) -> TPPlan:
-    styles: dict[str, str] = {}
-    whole = []
-    for name, module in modules.items():
-        pair = _mlp_pair(module)
-        if pair is not None:
-            ups, down = pair
-            styles.update({_join(name, up): "colwise" for up in ups})
-            styles[_join(name, down)] = "rowwise"
-        elif _attention_like(module):
-            whole.append(name)
-    if not styles:
-        raise ConfigError(
-            f"strategy tp found nothing in {type(model).__name__} it can split by itself (the MLP blocks' pairs of "
-            "nn.Linear layers, up then down); name the modules to split in strategy.tp.plan, e.g. "
-            "{'layers.*.mlp.up': colwise, 'layers.*.mlp.down': rowwise}"
-        )
-    return TPPlan(styles, "automatic: MLP blocks", tuple(whole))
-
-
-def _mlp_pair(module: nn.Module) -> tuple[list[str], str] | None:
-    """``module``'s children as an MLP block: one or two Linear d->h (up, gate) and one Linear
-    h->d (down), h != d, and no other child with parameters of its own."""
-    children = list(module.named_children())
-    linears = [(n, c) for n, c in children if type(c) is nn.Linear]
-    others = [c for _, c in children if type(c) is not nn.Linear and any(True for _ in c.parameters())]
-    if others or not 2 <= len(linears) <= 3:
-        return None
-    *ups, (down_name, down) = linears
-    dim, hidden = down.out_features, down.in_features
-    if hidden == dim or not all(u.in_features == dim and u.out_features == hidden for _, u in ups):
-        return None
-    return [n for n, _ in ups], down_name
-
-
-def _attention_like(module: nn.Module) -> bool:
-    if isinstance(module, nn.MultiheadAttention):
-        return True
-    return any(hasattr(module, attr) for attr in ("num_heads", "n_head", "num_attention_heads")) and any(
-        isinstance(c, nn.Linear) for c in module.children()
     )
 
 
@@ -225,7 +208,15 @@ def split(
     whole, and apply it; returns the plan."""
     plan = resolve(model, mesh.size(), configured, given)
     if main:
-        for line in (kept_whole_line(model, plan), *unpaired_lines(model, plan, mesh.size())):
+        mixing = (
+            f"phalanx: tp keeps '{plan.mixing[0]}'"
+            + (f" and {len(plan.mixing) - 1} more" if len(plan.mixing) > 1 else "")
+            + " whole on every peer: the step between its up and down layers mixes the hidden units (a softmax "
+            "or a norm over them), which a peer holding a slice of them cannot compute"
+            if plan.mixing
+            else None
+        )
+        for line in (kept_whole_line(model, plan), mixing, *unpaired_lines(model, plan, mesh.size())):
             if line:
                 print(line, flush=True)
     apply(model, mesh, plan)
