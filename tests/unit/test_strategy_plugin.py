@@ -151,6 +151,16 @@ def test_a_name_or_a_plan_row_is_registered_once(toy):
     assert "clash" not in STRATEGIES
 
 
+def test_a_strategy_of_the_surface_before_the_layout_is_refused_at_register():
+    counted = type("Counted", (Strategy,), {"name": "counted", "data_parallel_size_for": classmethod(lambda c, w: w)})
+    with pytest.raises(ValueError, match="declare its layout axes"):
+        register(counted)
+    flagged = type("Flagged", (Strategy,), {"name": "flagged", "shards": Sharding(optimizer=True)})
+    with pytest.raises(ValueError, match="Sharding with booleans"):
+        register(flagged)
+    assert "counted" not in STRATEGIES and "flagged" not in STRATEGIES
+
+
 def test_phalanx_config_brings_the_strategies_sections():
     # A fresh interpreter: the config layer alone has no strategy sections, and says why; phalanx.Config
     # imports the strategies, which register theirs.

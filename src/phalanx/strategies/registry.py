@@ -23,6 +23,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     its plan rows rows of ``phalanx plan``. Returns ``cls``, so it works as a class decorator."""
     if cls.name in ("auto", *STRATEGIES):
         raise ValueError(f"a strategy named '{cls.name}' is already registered")
+    _refuse_old_surface(cls)
     labels = {row.label for other in STRATEGIES.values() for row in other.plan_rows}
     clash = sorted(labels & {row.label for row in cls.plan_rows})
     if clash:
@@ -32,6 +33,22 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     STRATEGIES[cls.name] = cls
     _describe()
     return cls
+
+
+def _refuse_old_surface(cls: type[Strategy]) -> None:
+    """A strategy written for the surface before the parallel layout would plan its batch wrong
+    (its data_parallel_size_for is no longer asked) or fail at setup (booleans in Sharding)."""
+    if "data_parallel_size_for" in vars(cls):
+        raise ValueError(
+            f"strategy '{cls.name}' defines data_parallel_size_for, which phalanx no longer calls; declare its "
+            "layout axes instead (axes = ('dp_replicate',), ...: strategies/parallel_layout.py)"
+        )
+    shards = cls.shards
+    if any(not isinstance(getattr(shards, kind), tuple) for kind in ("parameters", "gradients", "optimizer")):
+        raise ValueError(
+            f"strategy '{cls.name}' declares Sharding with booleans; give the layout axes each kind is divided "
+            "over, e.g. Sharding(optimizer=('dp_replicate',))"
+        )
 
 
 def unregister(name: str) -> None:
