@@ -19,17 +19,17 @@ def _train(strategy: str, tp: int, micro: int, clip: float | None) -> dict:
     return tl.train(strategy, micro, True, clip=clip, tp=tp)
 
 
-@pytest.mark.timeout(3 * TIMEOUT)
+@pytest.mark.timeout(2 * TIMEOUT)
 @pytest.mark.parametrize(
-    "strategy, nprocs, micro",
-    [("tp", 2, 8), ("tp", 4, 2), ("fsdp", 4, 2)],
-    ids=["tp 2", "tp 2 x dp 2, 2 micro-steps", "fsdp x tp 2 x 2, 2 micro-steps"],
+    "strategy, nprocs, micro, clip",
+    [("tp", 2, 8, None), ("tp", 4, 2, None), ("fsdp", 4, 2, None), ("fsdp", 4, 2, CLIP)],
+    ids=["tp 2", "tp 2 x dp 2, 2 micro-steps", "fsdp x tp 2 x 2, 2 micro-steps", "fsdp x tp, clipped"],
 )
-def test_items_and_clipping_train_like_one_process(strategy, nprocs, micro):
-    plain, clipped = tl.reference(), tl.reference(clip=CLIP)
-    assert rel_diff(clipped["state"], plain["state"]) > 1e-3
-    for clip, reference in ((None, plain), (CLIP, clipped)):
-        ranks = phalanx.spawn(_train, nprocs=nprocs, args=(strategy, 2, micro, clip), cpu=True, timeout=TIMEOUT)
-        assert rel_diff(ranks[0]["state"], reference["state"]) < 1e-5
-        for rank in ranks:
-            assert rank["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+def test_items_and_clipping_train_like_one_process(strategy, nprocs, micro, clip):
+    reference = tl.reference(clip=clip)
+    if clip is not None:  # the clip bites: it ends elsewhere than the unclipped run
+        assert rel_diff(reference["state"], tl.reference()["state"]) > 1e-3
+    ranks = phalanx.spawn(_train, nprocs=nprocs, args=(strategy, 2, micro, clip), cpu=True, timeout=TIMEOUT)
+    assert rel_diff(ranks[0]["state"], reference["state"]) < 1e-5
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(reference["losses"], rel=1e-5)
