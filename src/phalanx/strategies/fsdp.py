@@ -15,10 +15,11 @@ from phalanx.config.sections import Section
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.runtime.noise_scale import LocalNorms
 from phalanx.strategies import dtensor_state, tp_plan
-from phalanx.strategies.base import Sharding, Strategy
+from phalanx.strategies.base import Sharding
 from phalanx.strategies.construction import is_deferred, whole_model_refusal
+from phalanx.strategies.dtensor_strategy import DTensorStrategy
 from phalanx.strategies.fsdp_units import shard_groups
-from phalanx.strategies.mesh_norms import clip_over_mesh, squared_norm_over_mesh
+from phalanx.strategies.mesh_norms import clip_over_mesh
 from phalanx.strategies.plan_rows import PlanRow
 from phalanx.util.words import plural
 
@@ -58,14 +59,13 @@ class FSDPConfig(Section):
     )
 
 
-class FSDP(Strategy):
+class FSDP(DTensorStrategy):
     name = "fsdp"
     options_key = "fsdp"
     options = FSDPConfig
     resume_counted = ("reduce_dtype",)
     needs_process_group = True
     handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
-    checkpoint_layout = "dcp"
     precisions = frozenset({"fp32", "bf16"})
     supports_channels_last = False
     # Sharded over the data-parallel axis, and split by the tensor-parallel plan as well in the 2-D
@@ -175,11 +175,6 @@ class FSDP(Strategy):
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(comm)
 
-    def gradient_sq(self, models: list[nn.Module]) -> torch.Tensor:
-        # Shards are disjoint over the data axis; in the 2-D layout the tensor peers may hold copies.
-        grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
-        return squared_norm_over_mesh(grads, self.topology.world_size, self.topology.comm_device)
-
     def _shard_groups(self, model: nn.Module) -> list[list[nn.Module]]:
         opts = self.config.strategy.fsdp
         return shard_groups(model, opts.wrap, opts.min_params, "strategy.fsdp.wrap")
@@ -197,28 +192,6 @@ class FSDP(Strategy):
         norm = super().clip_grad_norm_(model, max_norm)
         # The norm of sharded gradients is a DTensor reduced over every shard: the global norm.
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dtensor_state.full_model_state_dict(model)
-
-    def sharded_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dtensor_state.sharded_model_state_dict(model)
-
-    def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        dtensor_state.load_sharded_model_state_dict(model, state)
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        dtensor_state.load_full_model_state_dict(model, state)
-
-    def put_weight(self, slot: torch.Tensor, value: torch.Tensor) -> None:
-        if not dtensor_state.put_full_tensor(slot, value):
-            super().put_weight(slot, value)
-
-    def optimizer_state_dict(self, model, optimizer) -> dict:
-        return dtensor_state.optimizer_state_dict(model, optimizer)
-
-    def load_optimizer_state_dict(self, model, optimizer, state: dict) -> None:
-        dtensor_state.load_optimizer_state_dict(model, optimizer, state)
 
     def describe(self) -> str:
         mode = "ZeRO-3-like" if self.config.strategy.fsdp.reshard_after_forward else "ZeRO-2-like"

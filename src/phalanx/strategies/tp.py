@@ -14,17 +14,17 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.strategies import dtensor_state, tp_plan
-from phalanx.strategies.base import Sharding, Strategy
-from phalanx.strategies.mesh_norms import clip_over_mesh, squared_norm_over_mesh
+from phalanx.strategies.base import Sharding
+from phalanx.strategies.dtensor_strategy import DTensorStrategy
+from phalanx.strategies.mesh_norms import clip_over_mesh
 from phalanx.strategies.plan_rows import PlanRow
 
 
-class TensorParallel(Strategy):
+class TensorParallel(DTensorStrategy):
     name = "tp"
     axes = ("dp_replicate", "tp")
     tp_by_default = True
     needs_process_group = True
-    checkpoint_layout = "dcp"
     # fp16's loss scaling would unscale DTensor and plain gradients in one foreach call, which
     # DTensor refuses; bf16 autocast needs no scaler.
     precisions = frozenset({"fp32", "bf16"})
@@ -86,32 +86,6 @@ class TensorParallel(Strategy):
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_over_mesh(list(model.parameters()), max_norm, self.topology.world_size, self.topology.comm_device)
-
-    def gradient_sq(self, models: list[nn.Module]) -> torch.Tensor:
-        grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
-        return squared_norm_over_mesh(grads, self.topology.world_size, self.topology.comm_device)
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dtensor_state.full_model_state_dict(model)
-
-    def sharded_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return dtensor_state.sharded_model_state_dict(model)
-
-    def load_sharded_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        dtensor_state.load_sharded_model_state_dict(model, state)
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        dtensor_state.load_full_model_state_dict(model, state)
-
-    def put_weight(self, slot: torch.Tensor, value: torch.Tensor) -> None:
-        if not dtensor_state.put_full_tensor(slot, value):
-            super().put_weight(slot, value)
-
-    def optimizer_state_dict(self, model, optimizer) -> dict:
-        return dtensor_state.optimizer_state_dict(model, optimizer)
-
-    def load_optimizer_state_dict(self, model, optimizer, state: dict) -> None:
-        dtensor_state.load_optimizer_state_dict(model, optimizer, state)
 
     def describe(self) -> str:
         split = f", {self.tp_plan.describe()}" if self.tp_plan is not None else ""
