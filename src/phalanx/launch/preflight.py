@@ -42,6 +42,25 @@ def check_script(script: str) -> None:
 def check_writable(setting: str, path: str, fix: str) -> Path:
     """Directory ``path`` (the value of ``setting``) can be created and written; ``fix`` says how to
     choose another. Returns it absolute."""
+    # Two launches started at once in one directory check the same path: one may create a parent
+    # the other is about to create, or remove its own just after the other found it. That is a
+    # lost race, not an unwritable path: it is checked again.
+    for _ in range(_RACES):
+        try:
+            return _check_writable(setting, path, fix)
+        except _Raced:
+            continue
+    return _check_writable(setting, path, fix, last=True)
+
+
+_RACES = 5
+
+
+class _Raced(Exception):
+    """Another process created or removed a directory of the path while it was checked."""
+
+
+def _check_writable(setting: str, path: str, fix: str, last: bool = False) -> Path:
     try:
         directory = Path(path).resolve()
         existing, missing = directory, []
@@ -60,6 +79,10 @@ def check_writable(setting: str, path: str, fix: str) -> Path:
         probe = directory / f".phalanx-probe-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"")
         probe.unlink()
+    except (FileExistsError, FileNotFoundError) as err:
+        if not last:
+            raise _Raced() from err
+        raise _refused(f"{setting} '{directory}' is not writable: {err.strerror or err}; {fix}") from None
     except OSError as err:
         raise _refused(f"{setting} '{directory}' is not writable: {err.strerror or err}; {fix}") from None
     finally:
