@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from math import prod
 
 import yaml
 
@@ -101,7 +100,7 @@ def per_device(count: float, split: float, axes: tuple[str, ...], layout: Parall
     """The share of ``count`` parameters one device holds when they are divided over ``axes``:
     the ``split`` of them that the tensor-parallel plan divides over all of ``axes``, the rest over
     those other than tp (every tensor peer holds the layers the plan leaves whole)."""
-    whole = prod(layout.size(a) for a in axes if a != TENSOR)
+    whole = layout.divisor(a for a in axes if a != TENSOR)
     peers = layout.tp if TENSOR in axes else 1
     return (count - split) / whole + split / (whole * peers)
 

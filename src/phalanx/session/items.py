@@ -30,6 +30,7 @@ from torch import nn
 
 from phalanx._torch_compat import scale_tensors
 from phalanx.errors import PhalanxError
+from phalanx.strategies.dtensor_state import local
 
 
 def check_items(items: Any) -> None:
@@ -137,8 +138,8 @@ class ItemWeighting:
         grads = [p.grad for model in models for p in model.parameters() if p.grad is not None]
         by_device: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
-            local = g.to_local() if hasattr(g, "to_local") else g  # an fsdp shard is multiplied in place
-            by_device.setdefault((local.device, local.dtype), []).append(local)
+            piece = local(g)  # an fsdp shard is multiplied in place
+            by_device.setdefault((piece.device, piece.dtype), []).append(piece)
         for (device, _), group in by_device.items():
             scale_tensors(group, factor.to(device))
         self._stash(totals)

@@ -276,7 +276,7 @@ class Session:
         self._announce()
         if capped:
             kind, layout = type(self.strategy), self.strategy.layout
-            shards = any(layout.size(a) > 1 for a in kind.sharding(self.config.strategy).parameters)
+            shards = layout.divisor(kind.sharding(self.config.strategy).parameters) > 1
             shards = shards or kind.splits_layers
             self._memory_cap.check_setup(shards_model=shards)
             self._memory_cap.start()  # what training adds counts, not what the script loaded before
@@ -364,7 +364,7 @@ class Session:
             # Each forward gathers parameters sharded over the data or pipeline axis (tensor peers
             # see the same batches anyway).
             layout = self.strategy.layout
-            wrapped.join_strictly = any(a != TENSOR and layout.size(a) > 1 for a in self.strategy.shards.parameters)
+            wrapped.join_strictly = layout.divisor(a for a in self.strategy.shards.parameters if a != TENSOR) > 1
         if train:
             wrapped.on_start = self._training_pass_starts
             wrapped.on_iterating = lambda _: self.state.restore_rng()

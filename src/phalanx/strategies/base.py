@@ -291,7 +291,7 @@ class Strategy:
     def gradient_sq(self, models: list[nn.Module]) -> torch.Tensor:
         """The squared norm of the models' synchronised gradients (float64), the same on every rank."""
         grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
-        return squared_norm([g.to_local() if hasattr(g, "to_local") else g for g in grads])
+        return squared_norm([dtensor_state.local(g) for g in grads])
 
     # Where the synchronising backward measures this rank's own gradient before it is averaged
     # (runtime/noise_scale.LocalNorms, armed by the Session); None where the strategy cannot (then
@@ -387,5 +387,5 @@ def _attempt_store(host: str, port: int, topology: Topology) -> dist.Store:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's own shard
+    local = dtensor_state.local(tensor)
     return local.numel() * local.element_size()

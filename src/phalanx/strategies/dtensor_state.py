@@ -10,6 +10,11 @@ from phalanx.errors import ConfigError
 from phalanx.util.optim import rebuild_arguments
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own piece of ``tensor``: a DTensor's local shard or split, a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 class ReplacedParameters:
     """fully_shard and parallelize_module replace the parameters they split with new ones: an
     optimizer built on the user's model is rebuilt on them, through the names they share."""

@@ -14,7 +14,7 @@ from phalanx._torch_compat import fsdp_measuring_reduce_scatter
 from phalanx.config.sections import Section
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.runtime.noise_scale import LocalNorms
-from phalanx.strategies import dtensor_state, tp_plan
+from phalanx.strategies import dtensor_state
 from phalanx.strategies.base import Sharding
 from phalanx.strategies.construction import is_deferred, whole_model_refusal
 from phalanx.strategies.dtensor_strategy import DTensorStrategy
@@ -88,8 +88,6 @@ class FSDP(DTensorStrategy):
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
-        self._replaced = dtensor_state.ReplacedParameters(self.name)
-        self.tp_plan: tp_plan.TPPlan | None = None  # the 2-D layout's, once the model is split
         # This rank's gradient before the reduce-scatter averages it, for the noise scale's small
         # batch: measured in a reduce-scatter of FSDP's own kind that looks at each input first.
         # Not in the 2-D layout: there a reduce-scatter's input is one tensor peer's slice of the
@@ -140,8 +138,7 @@ class FSDP(DTensorStrategy):
         if opts.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         if self.layout.tp > 1:  # 2-D: split layers over the tensor peers, then shard over the data axis
-            plan, given, main = self.config.strategy.tp.plan, self.given_tp_plan, self.topology.is_main
-            self.tp_plan = tp_plan.split(model, self.mesh["tp"], plan, given, main=main)
+            self.split_tensor_parallel(model)
             kwargs["mesh"] = self.mesh["dp_shard"]
         # A deferred model is materialised one unit at a time, each sharded at once: the set-up peak
         # is this rank's shards plus one whole unit, never the whole model.
@@ -178,9 +175,6 @@ class FSDP(DTensorStrategy):
     def _shard_groups(self, model: nn.Module) -> list[list[nn.Module]]:
         opts = self.config.strategy.fsdp
         return shard_groups(model, opts.wrap, opts.min_params, "strategy.fsdp.wrap")
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self._replaced.rebuild(optimizer)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return _gradient_sync_off(model)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime.noise_scale import squared_norm
+from phalanx.strategies.dtensor_state import local
 
 
 def holders(tensor: torch.Tensor, world_size: int) -> int:
@@ -35,8 +36,8 @@ def squared_norm_over_mesh(grads: list[torch.Tensor], world_size: int, comm_devi
     """The squared norm of the whole gradients (float64), the same on every rank."""
     by_holders: dict[int, list[torch.Tensor]] = {}
     for grad in grads:
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        by_holders.setdefault(holders(grad, world_size), []).append(local)
+        piece = local(grad)
+        by_holders.setdefault(holders(grad, world_size), []).append(piece)
     total = torch.zeros((), dtype=torch.float64, device=comm_device)
     for count, tensors in by_holders.items():
         total = total + squared_norm(tensors).to(comm_device) / count
@@ -53,6 +54,6 @@ def clip_over_mesh(
     norm = squared_norm_over_mesh(grads, world_size, comm_device).sqrt()
     coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for grad in grads:
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        local.mul_(coefficient.to(local.device, local.dtype))
+        piece = local(grad)
+        piece.mul_(coefficient.to(piece.device, piece.dtype))
     return norm.to(torch.float32)

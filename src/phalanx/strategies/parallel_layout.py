@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Iterable
 
 from phalanx.errors import ConfigError
 from phalanx.util.words import plural
@@ -71,9 +72,13 @@ class ParallelLayout:
     def size(self, axis: str) -> int:
         return getattr(self, axis)
 
+    def divisor(self, axes: Iterable[str]) -> int:
+        """How many ways state divided over ``axes`` is cut: the product of their sizes."""
+        return prod(self.size(a) for a in axes)
+
     @property
     def world_size(self) -> int:
-        return prod(self.size(a) for a in AXES)
+        return self.divisor(AXES)
 
     @property
     def dp_size(self) -> int:

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.strategies import dtensor_state, tp_plan
+from phalanx.strategies import dtensor_state
 from phalanx.strategies.base import Sharding
+from phalanx.strategies.dtensor_state import local
 from phalanx.strategies.dtensor_strategy import DTensorStrategy
 from phalanx.strategies.mesh_norms import clip_over_mesh
 from phalanx.strategies.plan_rows import PlanRow
@@ -42,8 +43,6 @@ class TensorParallel(DTensorStrategy):
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
-        self.tp_plan: tp_plan.TPPlan | None = None
-        self._replaced = dtensor_state.ReplacedParameters(self.name)
         self._models: list[nn.Module] = []
         self._syncing = True  # False inside no_sync(): accumulation's other micro-steps
 
@@ -53,9 +52,8 @@ class TensorParallel(DTensorStrategy):
             # one model. Split layers are cut from each peer group's first rank; the rest would
             # otherwise stay as each rank built it.
             broadcast_from_first(list(model.parameters()) + list(model.buffers()))
-        main, before = self.topology.is_main, self._replaced.before(model)
-        plan, given = self.config.strategy.tp.plan, self.given_tp_plan
-        self.tp_plan = tp_plan.split(model, self.mesh["tp"], plan, given, main=main)
+        before = self._replaced.before(model)
+        self.split_tensor_parallel(model)
         self._replaced.after(model, before)
         model.register_load_state_dict_pre_hook(dtensor_state.shard_full_tensors)
         self._models.append(model)
@@ -80,9 +78,6 @@ class TensorParallel(DTensorStrategy):
             if self.layout.dp_replicate > 1:
                 average_over(params, self.data_group, self.layout.dp_replicate)
         return reported
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self._replaced.rebuild(optimizer)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_over_mesh(list(model.parameters()), max_norm, self.topology.world_size, self.topology.comm_device)
@@ -112,26 +107,20 @@ def average_over(params: list[nn.Parameter], group: Any, size: int) -> None:
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
     for same in by_dtype.values():
-        pieces = [_local(p.grad) if p.grad is not None else None for p in same]
-        sizes = [_local(p).numel() for p in same]
-        flat = torch.cat(
-            [
-                piece.reshape(-1) if piece is not None else _local(p).new_zeros(n)
-                for p, piece, n in zip(same, pieces, sizes)
-            ]
-            + [_local(same[0]).new_tensor([0.0 if piece is None else 1.0 for piece in pieces])]
-        )
+        pieces = [local(p.grad) if p.grad is not None else None for p in same]
+        parts = [local(p).new_zeros(local(p).numel()) if g is None else g.reshape(-1) for p, g in zip(same, pieces)]
+        counts = local(same[0]).new_tensor([0.0 if g is None else 1.0 for g in pieces])
+        flat = torch.cat([*parts, counts])
         dist.all_reduce(flat, group=group)
-        had = flat[-len(same) :].tolist()  # once per step, with the all-reduce already waited on
-        offset = 0
-        for p, piece, n, count in zip(same, pieces, sizes, had):
-            if count > 0:
-                averaged = flat[offset : offset + n].view(_local(p).shape) / size
-                if piece is None:
-                    p.grad = _like(p, averaged)
-                else:
-                    piece.copy_(averaged)
-            offset += n
+        *averaged, had = flat.split([*(part.numel() for part in parts), len(same)])
+        for p, piece, mean, count in zip(same, pieces, averaged, had.tolist()):  # read once per step
+            if count == 0:
+                continue
+            mean = mean.view(local(p).shape) / size
+            if piece is None:
+                p.grad = _like(p, mean)
+            else:
+                piece.copy_(mean)
 
 
 def broadcast_from_first(tensors: list[torch.Tensor]) -> None:
@@ -143,20 +132,14 @@ def broadcast_from_first(tensors: list[torch.Tensor]) -> None:
         for same in by_kind.values():
             flat = torch.cat([t.detach().reshape(-1) for t in same])
             dist.broadcast(flat, src=0)
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for t, part in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(part.view_as(t))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _like(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+def _like(param: nn.Parameter, piece: torch.Tensor) -> torch.Tensor:
     """A gradient for ``param`` from its local piece: a DTensor of the same placements where it is one."""
     if hasattr(param, "to_local"):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
-    return local
+        return DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False)
+    return piece

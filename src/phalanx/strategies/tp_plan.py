@@ -27,6 +27,14 @@ from phalanx.util.modules import parameter_holders
 STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
 # Hugging Face's style names that mean one of phalanx's (the rest of theirs need their own hooks).
 _HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "sequence_parallel": "sequence_parallel"}
+_OWN = "'s own tp_plan"  # the end of a model's own plan's source, "LlamaForCausalLM's own tp_plan"
+# The size a style cuts, per module kind: (attribute, what it counts).
+_SPLIT_SIZES = {
+    (nn.Linear, "colwise"): ("out_features", "output features"),
+    (nn.Linear, "rowwise"): ("in_features", "input features"),
+    (nn.Embedding, "colwise"): ("embedding_dim", "embedding width"),
+    (nn.Embedding, "rowwise"): ("num_embeddings", "vocabulary rows"),
+}
 # Norm layers sequence parallel can hold (it shards their input along the sequence).
 _NORMS = (nn.LayerNorm, nn.RMSNorm)
 
@@ -123,9 +131,8 @@ def _huggingface(model: nn.Module, modules: dict[str, nn.Module]) -> TPPlan | No
                 "set strategy.tp.plan to the modules to split (colwise, rowwise, sequence_parallel, replicate)"
             )
         patterns[prefix + pattern] = _HF_STYLES[style]
-    return TPPlan(
-        _expand(patterns, modules, f"{type(model).__name__}'s own tp_plan"), f"{type(model).__name__}'s own tp_plan"
-    )
+    source = f"{type(model).__name__}{_OWN}"
+    return TPPlan(_expand(patterns, modules, source), source)
 
 
 def _check(name: str, module: nn.Module, style: Any, tp: int, source: str) -> None:
@@ -133,26 +140,11 @@ def _check(name: str, module: nn.Module, style: Any, tp: int, source: str) -> No
         return  # a ParallelStyle given in Python: the user's own, checked by DTensor itself
     where = f"{source}: module '{name}' ({type(module).__name__})"
     if style in ("colwise", "rowwise"):
-        if isinstance(module, nn.Linear):
-            size, what = (
-                (module.out_features, "output features")
-                if style == "colwise"
-                else (
-                    module.in_features,
-                    "input features",
-                )
-            )
-        elif isinstance(module, nn.Embedding):
-            size, what = (
-                (module.embedding_dim, "embedding width")
-                if style == "colwise"
-                else (
-                    module.num_embeddings,
-                    "vocabulary rows",
-                )
-            )
-        else:
+        kind = next((k for k in (nn.Linear, nn.Embedding) if isinstance(module, k)), None)
+        if kind is None:
             raise ConfigError(f"{where} cannot be split {style}: only nn.Linear and nn.Embedding can; name those")
+        attribute, what = _SPLIT_SIZES[kind, style]
+        size = getattr(module, attribute)
         if size % tp:
             raise ConfigError(
                 f"{where} has {size} {what}, which {tp} tensor-parallel peers would split unevenly; "
@@ -228,7 +220,7 @@ def unpaired_lines(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
     takes its output features: its output stays one slice per peer, which a loss reading whole
     logits fails on but an argmax or a metric reads silently wrong. (A model's own plan is its
     author's: attention's key and value projections feed the attention, not a rowwise layer.)"""
-    if plan.source.endswith("own tp_plan"):
+    if plan.source.endswith(_OWN):
         return []
     modules = dict(model.named_modules())
     taken = {modules[n].in_features for n, s in plan.styles.items() if s == "rowwise" and type(modules[n]) is nn.Linear}
