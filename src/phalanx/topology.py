@@ -17,6 +17,9 @@ import torch
 
 # Names of the variables phalanx's launcher passes to its workers.
 ENV_CONTEXT = "PHALANX_CONTEXT"
+# An elastic job's attempt on this node (launch/elastic.py): torch's restart count skips the restarts
+# a node joining causes.
+ENV_ATTEMPT = "PHALANX_ATTEMPT"
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,17 @@ class Topology:
     # Set when torch elastic's agent hosts the store the workers meet at (MASTER_ADDR:MASTER_PORT).
     agent_store: tuple[str, int] | None = None
     launched: bool = False  # True under torchrun / phalanx launch / phalanx.spawn
+    elastic: bool = False  # a worker of an elastic job (--nnodes MIN:MAX): its size may change
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     gloo_on_cuda: bool = False  # see LaunchContext.gloo_on_cuda
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
 
     @property
     def is_distributed(self) -> bool:
@@ -119,11 +127,12 @@ class Topology:
             world_size=world_size,
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
             node_rank=int(env.get("GROUP_RANK", 0)),
-            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            restart_count=int(env.get(ENV_ATTEMPT) or env.get("TORCHELASTIC_RESTART_COUNT", 0)),
             agent_store=(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
             if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in env
             else None,
             launched=launched,
+            elastic=ENV_ATTEMPT in env,
             device=pick_device(local_rank, force_cpu),
             gloo_on_cuda=bool(ctx and ctx.gloo_on_cuda),
         )

@@ -103,8 +103,8 @@ def test_timed_saves_and_stop_requests_come_out_of_the_step_agreement():
     from phalanx.faults.agreement import StepAgreement
 
     agreement = StepAgreement(1, torch.device("cpu"), save_period_s=0.05)
-    assert agreement.poll(1, stop_requested=False) == (False, False)
+    assert agreement.poll(1, stop_requested=False) == (False, False, False)
     time.sleep(0.06)
-    assert agreement.poll(2, stop_requested=False) == (False, True)
+    assert agreement.poll(2, stop_requested=False) == (False, True, False)
     agreement.saved()
-    assert agreement.poll(3, stop_requested=True) == (True, False)
+    assert agreement.poll(3, stop_requested=True) == (True, False, False)

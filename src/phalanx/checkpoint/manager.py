@@ -28,6 +28,7 @@ from torch import nn
 from phalanx.checkpoint import contents, files, hf_model
 from phalanx.errors import PhalanxError
 from phalanx.topology import Topology
+from phalanx.util.words import plural
 from phalanx.version import __version__
 
 TRAINER, RNG, MODEL, OPTIMIZER, SHARDS = "trainer.pt", "rng.pt", "model.pt", "optimizer.pt", "shards"
@@ -61,10 +62,19 @@ class Checkpointer:
     """Writes and restores checkpoints of :class:`TrainingObjects` through a strategy (which knows
     how its models and optimizers are laid out over the ranks). Every method is a collective."""
 
-    def __init__(self, strategy: Any, topology: Topology, *, run_dir: str | None = None, keep_last: int | None = None):
+    def __init__(
+        self,
+        strategy: Any,
+        topology: Topology,
+        *,
+        run_dir: str | None = None,
+        keep_last: int | None = None,
+        job: str | None = None,
+    ):
         self.strategy = strategy
         self.topology = topology
         self.run_dir = run_dir
+        self.job = job  # the launch's id, shared by every node of an elastic job across its rounds
         self.keep_last = keep_last
 
     def save(self, root: Path, objects: TrainingObjects, run: dict[str, Any] | None = None) -> Path:
@@ -154,16 +164,20 @@ class Checkpointer:
         if not weights_only:
             trainer = contents.trainer(load_file(directory / TRAINER), directory / TRAINER)
             saved = contents.rng(load_file(directory / RNG), directory / RNG)
-            world = self.topology.world_size
-            if saved["world_size"] != world:
+            world, was = self.topology.world_size, saved["world_size"]
+            if was != world:
+                kept = "rank 0 keeps its" if min(was, world) == 1 else f"ranks 0-{min(was, world) - 1} keep their"
+                new = f"rank {was}" if world == was + 1 else f"ranks {was}-{world - 1}"
+                fresh = "" if world <= was else f", {new} start{'s' if world == was + 1 else ''} from train.seed"
                 say(
-                    f"phalanx: the checkpoint was written by {saved['world_size']} processes, this run has {world}: "
-                    "random generators start fresh (dropout masks differ from an uninterrupted run; "
+                    f"phalanx: the checkpoint was written by {plural(was, 'process')}, this run has {world}: "
+                    f"{kept} random generators{fresh} (dropout masks differ from an uninterrupted run; "
                     "the data order does not)"
                 )
             _restore_schedulers(objects, trainer["schedulers"])
             objects.precision.load_state_dict(trainer["precision"])
-            mine = saved["ranks"][self.topology.rank] if saved["world_size"] == world else None
+            # A rank the checkpoint had continues its own streams; one it did not keeps its seed's.
+            mine = saved["ranks"][self.topology.rank] if self.topology.rank < was else None
             objects.state.load_state_dict(
                 {
                     "step": trainer["step"],
@@ -277,6 +291,8 @@ class Checkpointer:
             "epoch": train["epoch"],
             "strategy": strategy.name,
             "run_dir": self.run_dir,
+            "job": self.job,
+            "nodes": self.topology.nnodes,
             "layout": strategy.checkpoint_layout,
             "world_size": self.topology.world_size,
             "data_parallel_size": strategy.data_parallel_size,

@@ -178,7 +178,14 @@ class RunIdentity:
         record = {"settings": counted_settings(config, strategy_keys), "script": script, "launch": launch}
         return cls(record, config.checkpoint.resume_any_run)
 
-    def check_resume(self, where: Path, topology: Topology, run_dir: str | None, say: Callable[[str], None]) -> None:
+    def check_resume(
+        self,
+        where: Path,
+        topology: Topology,
+        run_dir: str | None,
+        say: Callable[[str], None],
+        job: str | None = None,
+    ) -> None:
         """Before ``checkpoint.resume: auto`` resumes ``where``; a collective. Rank 0 decides and every
         rank raises the same PhalanxError, so none waits for a rank that stopped. Once per path."""
         if str(where) in self._checked:
@@ -186,7 +193,7 @@ class RunIdentity:
         answer: tuple[str | None, str | None] = (None, None)
         if topology.is_main:
             try:
-                answer = verdict(where, self.record, run_dir, self.any_run)
+                answer = verdict(where, self.record, run_dir, self.any_run, job)
             except PhalanxError as err:  # a damaged manifest: the same line everywhere
                 answer = (str(err), None)
         if topology.world_size > 1 and dist.is_initialized():
@@ -201,12 +208,14 @@ class RunIdentity:
             say(note)
 
 
-def verdict(where: Path, now: dict[str, Any], run_dir: str | None, any_run: bool) -> tuple[str | None, str | None]:
+def verdict(
+    where: Path, now: dict[str, Any], run_dir: str | None, any_run: bool, job: str | None = None
+) -> tuple[str | None, str | None]:
     """(refusal, note) for the Session's resume of ``where``: a refusal when it belongs to another run
     (unless ``any_run``), a note when that could not be checked or ``any_run`` let it through."""
     manifest = files.read_manifest(where)
-    if run_dir is not None and manifest.get("run_dir") == run_dir:
-        return None, None  # this launch wrote it: a restart resumes its own job
+    if (run_dir is not None and manifest.get("run_dir") == run_dir) or (job is not None and manifest.get("job") == job):
+        return None, None  # this launch wrote it (an elastic job: on any of its nodes): a restart resumes it
     run = manifest.get("run")
     if run is None:
         return None, (

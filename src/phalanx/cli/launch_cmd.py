@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from phalanx.cli import options
 from phalanx.launch.launcher import LAUNCH_FLAGS, LaunchRequest, launch
@@ -51,7 +52,12 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
             "(default: launch.max_restarts, 0)"
         ),
     )
-    faults.add_argument("--nnodes", type=int, metavar="N", help="machines in the job (default 1)")
+    faults.add_argument(
+        "--nnodes",
+        type=_node_count,
+        metavar="N|MIN:MAX",
+        help="machines in the job (default 1); MIN:MAX: an elastic job, nodes may leave and join (docs/multinode.md)",
+    )
     faults.add_argument("--node-rank", type=int, metavar="I", help="this machine's index 0..N-1, with --master")
     faults.add_argument(
         "--master",
@@ -116,3 +122,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     extra = ["--epochs", str(args.epochs)] if args.epochs else []
     return launch(_request(args, TRAIN_SCRIPT, extra, name="demo"))
+
+
+def _node_count(text: str) -> int | str:
+    """``4`` a number, ``1:4`` a node range (checked with launch.nnodes's rules)."""
+    return int(text) if re.fullmatch(r"\s*[-+]?[0-9]+\s*", text) else text

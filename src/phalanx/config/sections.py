@@ -438,14 +438,35 @@ class LaunchConfig(Section):
         0,
         ge=0,
         description=(
-            "restart the whole job this many times after a failure; each restart resumes from the latest checkpoint"
+            "restart the whole job this many times after a failure; each restart resumes from the latest checkpoint "
+            "(under a node range, a node that is lost, leaves or joins costs none)"
         ),
     )
-    nnodes: int = Field(
+    nnodes: Union[int, str] = Field(
         1,
+        description=(
+            "machines in the job: N, or MIN:MAX for an elastic job that goes on while nodes leave and join "
+            "(multi-node: also node_rank and master, or rdzv_endpoint)"
+        ),
+    )
+    rendezvous_timeout: int = Field(
+        600,
         gt=0,
-        le=MAX_NNODES,
-        description="machines in the job (multi-node: also node_rank and master, or rdzv_endpoint)",
+        le=int(A_WEEK),
+        description="seconds the rendezvous waits for the first nnodes (MIN of a range) to join, at the start and "
+        "after a node is lost; a job that cannot form in time ends with exit code 1",
+    )
+    late_node_wait: int = Field(
+        10,
+        ge=0,
+        le=int(A_WEEK),
+        description="under a node range: seconds the rendezvous waits for more nodes (up to MAX) once MIN are there",
+    )
+    node_timeout: int = Field(
+        15,
+        ge=2,
+        le=3600,
+        description="under a node range: seconds without a heartbeat after which a node counts as lost",
     )
     node_rank: Optional[int] = Field(
         None, ge=0, lt=MAX_NNODES, description="this machine's index, 0..nnodes-1, with master (static rendezvous)"
@@ -482,6 +503,34 @@ class LaunchConfig(Section):
         if value is not None:
             gpu_indices(value)
         return value
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _node_count(cls, value):
+        if isinstance(value, str) and ":" in value:
+            low, _, high = value.partition(":")
+            if not (re.fullmatch(r" *[0-9]{1,5} *", low) and re.fullmatch(r" *[0-9]{1,5} *", high)):
+                raise ValueError("expects N or MIN:MAX (e.g. 1:4)")
+            low_n, high_n = int(low), int(high)
+            if not 1 <= low_n <= high_n <= MAX_NNODES:
+                raise ValueError(f"expects MIN:MAX with 1 <= MIN <= MAX <= {MAX_NNODES} (e.g. 1:4)")
+            return low_n if low_n == high_n else f"{low_n}:{high_n}"
+        if isinstance(value, str) and re.fullmatch(r" *[-+]?[0-9]+ *", value):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError("expects N or MIN:MAX (e.g. 1:4)")
+        if value < 1:
+            raise ValueError("must be at least 1")
+        if value > MAX_NNODES:
+            raise ValueError(f"must be at most {MAX_NNODES}")
+        return value
+
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes: the same number twice for a fixed count."""
+        if isinstance(self.nnodes, str):
+            low, _, high = self.nnodes.partition(":")
+            return int(low), int(high)
+        return self.nnodes, self.nnodes
 
     @field_validator("master", "rdzv_endpoint")
     @classmethod

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from phalanx.config import yaml12
 from phalanx.config.preset import apply_preset, device_kind
 from phalanx.config.sections import CONTROL_CHARACTERS, SHORTHAND, flatten
 from phalanx.errors import ConfigError
@@ -44,7 +45,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         else:
-            data = yaml.safe_load(text)
+            data = yaml12.load(text)
     except RecursionError:
         raise ConfigError(
             f"config file '{path}' nests too deeply to be a config; sections are two levels deep"
@@ -75,7 +76,7 @@ def parse_override(line: str, schema: type[BaseModel]) -> tuple[str, Any]:
     if not sep or not key or ("." not in key and key not in _top_level_values(schema)):
         raise ConfigError(one_line(f"--set expects section.key=value (e.g. precision.mode=bf16), got '{line}'"))
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml12.load(raw) if raw.strip() else None
     except (yaml.YAMLError, RecursionError):  # not YAML (or nested past any setting): the text itself
         value = raw
     return key, value

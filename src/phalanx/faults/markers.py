@@ -4,6 +4,7 @@ died, stop now")."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 PREEMPT_REQUEST = "preempt-requested"  # the launcher got SIGTERM: ranks should checkpoint and stop
@@ -25,3 +26,26 @@ def hang_dump(run_dir: str | Path | None, attempt: int, rank: int) -> Path | Non
     """Where ``rank`` writes its stack when restart attempt ``attempt`` hangs: one directory per
     attempt, so a restarted job never reads the last attempt's dumps."""
     return Path(run_dir) / HANG_DIR / f"attempt{attempt}" / f"rank{rank}.txt" if run_dir else None
+
+
+# An elastic job (launch/elastic.py): a node waits to join, so the ranks checkpoint and hold until
+# their agent restarts them with it; and the log of the rounds this node took part in.
+RESIZE_REQUEST = "resize-requested"
+RESIZE_SAVED = "resize-saved"
+RENDEZVOUS_LOG = "rendezvous.jsonl"
+CRASHED_DIR = "crashed"  # one file per rank whose own error (not a lost peer) ended an attempt
+
+
+def crash_record(run_dir: str | Path | None, attempt: int, rank: int) -> Path | None:
+    return Path(run_dir) / CRASHED_DIR / f"attempt{attempt}" / f"rank{rank}.json" if run_dir else None
+
+
+def crashes(run_dir: str | Path, attempt: int) -> list[dict]:
+    """The crash records of ``attempt`` on this node (see launch/worker.py)."""
+    found = []
+    for record in sorted((Path(run_dir) / CRASHED_DIR / f"attempt{attempt}").glob("rank*.json")):
+        try:
+            found.append(json.loads(record.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return found

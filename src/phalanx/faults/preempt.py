@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from phalanx.faults.markers import PREEMPT_REQUEST, TERMINATED_EXIT
+from phalanx.faults.markers import PREEMPT_REQUEST, RESIZE_SAVED, TERMINATED_EXIT
 
 # How long a worker waits for the launcher's marker after a SIGTERM: slurm signals every process
 # of a job at once, so a worker may see the signal a moment before the launcher writes the file.
@@ -103,6 +103,8 @@ class TermWatch:
     def _is_preemption(self) -> bool:
         if self.request is None:
             return True
+        if (self.request.parent / RESIZE_SAVED).exists():
+            return False  # this rank saved for a node joining: its agent restarts it with the node
         end = time.monotonic() + _MARKER_WAIT_S
         while time.monotonic() < end:
             if self.request.exists():

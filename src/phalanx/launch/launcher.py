@@ -22,6 +22,7 @@ from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
 from phalanx.config.sources import check_overrides
 from phalanx.config.template import scalar, write_resolved
+from phalanx.errors import PhalanxError
 from phalanx.faults import markers
 from phalanx.faults.lifeline import ENV_LAUNCHER_PID
 from phalanx.launch.devices import DevicePlan, plan_devices
@@ -31,7 +32,7 @@ from phalanx.launch.rendezvous import Rendezvous, plan_rendezvous
 from phalanx.metrics.profile import ProfileWindow
 from phalanx.metrics.summary_display import report_run
 from phalanx.strategies import check_combination, strategy_class
-from phalanx.topology import LaunchContext, cpu_count, slurm_job, user_omp_threads, visible_cuda_devices
+from phalanx.topology import ENV_ATTEMPT, LaunchContext, cpu_count, slurm_job, user_omp_threads, visible_cuda_devices
 
 # LaunchRequest fields that are shorthands for `--set launch.<field>=...` (the launch flags).
 LAUNCH_FLAGS = (
@@ -59,7 +60,7 @@ class LaunchRequest:
     name: str | None = None  # names the run directory (default: the script's file name)
     extra_env: dict[str, str] = field(default_factory=dict)
     max_restarts: int | None = None
-    nnodes: int | None = None
+    nnodes: int | str | None = None  # N, or MIN:MAX
     node_rank: int | None = None
     master: str | None = None
     rdzv_endpoint: str | None = None
@@ -115,7 +116,7 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     if exported is not None and exported.isascii() and exported.isdigit():
         devices = replace(devices, omp_num_threads=int(exported))  # the user's value is the one used
     rendezvous = plan_rendezvous(
-        nnodes=launch.nnodes,
+        nnodes=launch.node_range(),
         node_rank=launch.node_rank,
         master=launch.master,
         rdzv_endpoint=launch.rdzv_endpoint,
@@ -124,12 +125,14 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     )
     world = devices.nproc * rendezvous.nnodes
     strategy_cls = strategy_class(name, world)
-    check_combination(config, world, devices.kind, devices.nproc)
-    if config.train.profile is not None:
-        ProfileWindow.parse(config.train.profile)
     # Late: importing the launcher (spawn, the CLI) should not load the Session and its collaborators.
     from phalanx.session.batch_plan import config_plan
 
+    if rendezvous.elastic:
+        check_elastic(config, rendezvous, devices.nproc, devices.kind)
+    check_combination(config, world, devices.kind, devices.nproc)
+    if config.train.profile is not None:
+        ProfileWindow.parse(config.train.profile)
     config_plan(config, strategy_cls, world, devices.nproc)  # refuses sizes the Session would refuse
     # The run as the checkpoints it writes will record it (launch() refuses another run's checkpoint).
     run = of_launch(config, strategy_cls.counted_settings(), request.script, request.script_args)
@@ -150,6 +153,34 @@ def prepare(request: LaunchRequest) -> LaunchPlan:
     return LaunchPlan(request, config, devices, strategy_cls.name, run_dir, context, rendezvous)
 
 
+def check_elastic(config: Config, rendezvous: Rendezvous, nproc: int, device: str) -> None:
+    """A node range: every size in it must train the same run, so refuse, before any node starts,
+    a size the layout cannot serve and a global batch that would follow the node count."""
+    from phalanx.session.batch_plan import config_plan
+
+    span = f"--nnodes {rendezvous.min_nodes}:{rendezvous.nnodes}"
+    batch = config.batch
+    if batch.global_batch_size is None and batch.micro_batch_size is not None:
+        raise PhalanxError(
+            f"{span}: batch.micro_batch_size alone makes the global batch follow the number of nodes, so a node "
+            "leaving or joining would change the training; set batch.global_batch_size (the micro batch and "
+            "accumulation then adapt to each size)"
+        )
+    counts = list(rendezvous.node_counts)
+    if len(counts) > 64:  # the rules are divisibility: the ends and a sample between them
+        counts = sorted({*counts[:32], *counts[-32:]})
+    for nodes in counts:
+        world = nproc * nodes
+        try:
+            check_combination(config, world, device, nproc)
+            config_plan(config, strategy_class(config.strategy.name, world), world, nproc)
+        except PhalanxError as err:
+            raise PhalanxError(
+                f"{span}: at {nodes} node(s) ({world} processes) the job cannot run: {err}; "
+                "choose a node range where every size can"
+            ) from None
+
+
 def _load(config_file: str | None, overrides: Sequence[str], cpu_flag: bool) -> Config:
     """The config as the workers will see it. A preset depends on the device kind, and the
     launcher may not initialise CUDA to learn it: launch.cpu, from the flag or the config, says."""
@@ -168,7 +199,8 @@ def launch(request: LaunchRequest) -> int:
         check_checkpoint_owner(plan.config.checkpoint, plan.context.run)
         plan = _make_run_dir(plan)
         write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
-        print(plan.describe(), flush=True)
+        if not plan.rendezvous.elastic:  # an elastic job says it once the nodes have joined
+            print(plan.describe(), flush=True)
         code = run_workers(plan)
     if code == 0:
         report_run(plan.run_dir)
@@ -208,16 +240,39 @@ def run_workers(plan: LaunchPlan) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rdzv = plan.rendezvous
-    restarts = plan.config.launch.max_restarts
+    launch = plan.config.launch
+    restarts, backend, configs = launch.max_restarts, rdzv.backend, dict(rdzv.configs)
+    if rdzv.elastic:
+        from phalanx.launch import elastic
+
+        def announce(nodes: int, node: int) -> None:
+            print(f"{plan.describe()}; {nodes} joined, this machine is node {node}", flush=True)
+
+        elastic.register(
+            plan.run_dir,
+            min_nodes=rdzv.min_nodes,
+            max_nodes=rdzv.nnodes,
+            restarts=restarts,
+            grace=plan.config.faults.preempt_grace,
+            timeout=launch.rendezvous_timeout,
+            announce=announce,
+        )
+        backend, restarts = elastic.BACKEND, elastic.UNLIMITED_RESTARTS  # the wrapper decides what counts
+        configs.update(
+            join_timeout=launch.rendezvous_timeout,
+            last_call_timeout=launch.late_node_wait,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=launch.node_timeout,
+        )
     config = LaunchConfig(
-        min_nodes=rdzv.nnodes,
+        min_nodes=rdzv.min_nodes or rdzv.nnodes,
         max_nodes=rdzv.nnodes,
         nproc_per_node=plan.devices.nproc,
         run_id=rdzv.run_id,
         role="worker",
-        rdzv_backend=rdzv.backend,
+        rdzv_backend=backend,
         rdzv_endpoint=rdzv.endpoint,
-        rdzv_configs=dict(rdzv.configs),
+        rdzv_configs=configs,
         local_addr=rdzv.local_addr,
         max_restarts=restarts,
         monitor_interval=0.1,
@@ -234,6 +289,8 @@ def run_workers(plan: LaunchPlan) -> int:
         env["OMP_NUM_THREADS"] = str(plan.devices.omp_num_threads)
     if plan.devices.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = plan.devices.cuda_visible_devices
+    if rdzv.elastic:
+        env.update(elastic.NO_SHARED_STORE)
     env.update(plan.request.extra_env)
     args = ["-u", "-m", "phalanx.launch.worker", plan.request.script, *plan.request.script_args]
     started = time.perf_counter()
@@ -245,12 +302,51 @@ def run_workers(plan: LaunchPlan) -> int:
         return report_failure(plan.run_dir, failure)
     except SignalException as sig:
         if sig.sigval == signal.SIGTERM:
-            return report_preemption(plan.run_dir)
+            return report_preemption(plan.run_dir, leaving=plan.rendezvous.elastic)
         print(f"phalanx: stopped by signal {sig.sigval.name}; logs in {plan.run_dir / 'logs'}", file=sys.stderr)
         return 128 + int(sig.sigval)
+    except Exception as err:  # noqa: BLE001 - an elastic job's end; anything else goes on up
+        code = _elastic_end(plan, err)
+        if code is None:
+            raise
+        return code
+    finally:
+        os.environ.pop(ENV_ATTEMPT, None)  # set per round by an elastic job's rendezvous
     if plan.config.launch.verbose:
         print(f"phalanx: finished in {time.perf_counter() - started:.1f}s", flush=True)
     return 0
+
+
+def _elastic_end(plan: LaunchPlan, err: Exception) -> int | None:
+    """The exit code and line for how an elastic job's rendezvous ended it; None: not one of those."""
+    if not plan.rendezvous.elastic:
+        return None
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
+
+    from phalanx.launch.elastic import JobFailed, NodesLost
+
+    if isinstance(err, JobFailed):
+        return report_failure(plan.run_dir, err.failure)
+    if isinstance(err, NodesLost):
+        print(str(err), file=sys.stderr, flush=True)
+        return 1
+    if isinstance(err, RendezvousClosedError):
+        print(
+            "phalanx: the job's rendezvous is closed: the job ended (finished, or failed on another node) before this "
+            "node could join it again; see the first node's output",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    if isinstance(err, RendezvousConnectionError):
+        print(
+            f"phalanx: lost the rendezvous at {plan.rendezvous.endpoint}: the node that hosts it is gone, and the job "
+            "cannot re-form without it; launch every node again (it resumes from the latest checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    return None
 
 
 def new_run_dir(root: Path, name: str) -> Path:

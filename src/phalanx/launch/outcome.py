@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 _LOG_TAIL_LINES = 15
 _STACK_LINES = 6
 # Errors a rank raises because another rank died first (its sockets closed under it).
-_CONSEQUENCES = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
+CONSEQUENCES = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
 
 
 def report_failure(run_dir: Path, failure) -> int:
@@ -169,10 +169,17 @@ def _ranks_with_logs(run_dir: Path, attempt: int) -> set[int]:
     return ranks
 
 
-def report_preemption(run_dir: Path) -> int:
+def report_preemption(run_dir: Path, leaving: bool = False) -> int:
+    """``leaving``: one node of an elastic job got the SIGTERM; the others go on without it."""
     record = run_dir / markers.PREEMPTED
     if record.is_file():
         saved = json.loads(record.read_text(encoding="utf-8"))
+        if leaving:
+            _err(
+                f"phalanx: this node left the job: every rank checkpointed at step {saved['step']} "
+                f"({saved['checkpoint']}), and the other nodes go on from there"
+            )
+            return markers.PREEMPTED_EXIT
         _err(
             f"phalanx: pre-empted: checkpoint {saved['checkpoint']} (step {saved['step']}); "
             "run the same command again to resume"
@@ -189,7 +196,7 @@ def _first_cause(failure):
     """The earliest failure that is not another rank's death seen through a closed connection."""
     ordered = sorted(failure.failures.items(), key=lambda item: item[1].timestamp)
     for rank, info in ordered:
-        if not any(text in _message(info) for text in _CONSEQUENCES):
+        if not any(text in _message(info) for text in CONSEQUENCES):
             return rank, info
     return failure.get_first_failure()
 

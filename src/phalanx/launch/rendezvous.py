@@ -7,7 +7,9 @@ or a SLURM allocation.
 - ``--rdzv-endpoint HOST:PORT``: c10d rendezvous, node ranks assigned as nodes arrive (torchrun's
   ``--rdzv-backend c10d --rdzv-endpoint``); every node passes the same ``--rdzv-id``;
 - inside a multi-node SLURM allocation with none of the above: static, from SLURM_NNODES,
-  SLURM_NODEID and the first host of SLURM_JOB_NODELIST.
+  SLURM_NODEID and the first host of SLURM_JOB_NODELIST;
+- ``--nnodes MIN:MAX``: an elastic job, always c10d (a static rendezvous has a fixed node count),
+  at ``--rdzv-endpoint`` or, inside SLURM, on the allocation's first host.
 """
 
 from __future__ import annotations
@@ -33,27 +35,45 @@ class Rendezvous:
     configs: dict = field(default_factory=dict)
     local_addr: str | None = "127.0.0.1"
     source: str = "single node"
+    min_nodes: int | None = None  # an elastic job's MIN; None: nnodes, a fixed count
 
     @property
     def multi_node(self) -> bool:
         return self.nnodes > 1
 
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def node_counts(self) -> range:
+        """Every number of nodes the job may run on."""
+        return range(self.min_nodes or self.nnodes, self.nnodes + 1)
+
     def describe(self) -> str:
         if not self.multi_node:
             return ""
-        who = f"node {self.node_rank} of {self.nnodes}" if self.node_rank is not None else f"one of {self.nnodes} nodes"
+        if self.elastic:
+            who = f"{self.min_nodes} to {self.nnodes} nodes"
+        elif self.node_rank is not None:
+            who = f"node {self.node_rank} of {self.nnodes}"
+        else:
+            who = f"one of {self.nnodes} nodes"
         return f"{who}, {self.backend} rendezvous at {self.endpoint} ({self.source})"
 
 
 def plan_rendezvous(
     *,
-    nnodes: int,
+    nnodes: int | tuple[int, int],
     node_rank: int | None,
     master: str | None,
     rdzv_endpoint: str | None,
     rdzv_id: str | None,
     slurm: SlurmJob | None,
 ) -> Rendezvous:
+    low, nnodes = nnodes if isinstance(nnodes, tuple) else (nnodes, nnodes)
+    if low < nnodes:
+        return _elastic(low, nnodes, node_rank, master, rdzv_endpoint, rdzv_id, slurm)
     if master and rdzv_endpoint:
         raise PhalanxError("give either --master HOST:PORT (with --node-rank) or --rdzv-endpoint HOST:PORT, not both")
     # Every node must name the same job: the rendezvous keys live under it.
@@ -105,6 +125,46 @@ def plan_rendezvous(
         raise PhalanxError(f"--node-rank {node_rank} with a single node; set --nnodes and --master too")
     # Port 0: the store picks a free port itself, so two jobs on one machine never collide.
     return Rendezvous("c10d", "127.0.0.1:0", configs={"is_host": True})
+
+
+def _elastic(
+    low: int,
+    high: int,
+    node_rank: int | None,
+    master: str | None,
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    slurm: SlurmJob | None,
+) -> Rendezvous:
+    """``--nnodes MIN:MAX``: node ranks are handed out at each rendezvous, so the fixed ones of
+    ``--master``/``--node-rank`` cannot serve it."""
+    span = f"--nnodes {low}:{high}"
+    if master or node_rank is not None:
+        raise PhalanxError(
+            f"{span} lets nodes leave and join, so node ranks are assigned at each rendezvous: "
+            "give every node --rdzv-endpoint HOST:PORT instead of --master/--node-rank"
+        )
+    job = rdzv_id or (slurm.job_id if slurm else None) or "phalanx"
+    if rdzv_endpoint:
+        host, port = _endpoint(rdzv_endpoint, "--rdzv-endpoint")
+        source = "--rdzv-endpoint"
+    elif slurm is not None:
+        host, port, source = first_host(slurm.nodelist), DEFAULT_PORT, f"SLURM job {slurm.job_id}"
+    else:
+        raise PhalanxError(
+            f"{span} needs to know where the nodes meet: add --rdzv-endpoint HOST:PORT, one of the machines "
+            "(the same on every node; its launcher hosts the rendezvous and must stay for the whole job)"
+        )
+    return Rendezvous(
+        "c10d",
+        f"{host}:{port}",
+        high,
+        None,
+        run_id=job,
+        local_addr=_local_addr(host),
+        source=source,
+        min_nodes=low,
+    )
 
 
 def _endpoint(text: str, flag: str) -> tuple[str, int]:

@@ -22,6 +22,7 @@ import traceback  # noqa: E402
 from phalanx.errors import PhalanxError  # noqa: E402
 from phalanx.faults import markers  # noqa: E402
 from phalanx.faults.lifeline import watch_launcher  # noqa: E402
+from phalanx.launch.outcome import CONSEQUENCES  # noqa: E402
 from phalanx.launch.output import log_path, route_output  # noqa: E402
 
 
@@ -53,8 +54,11 @@ def main(argv: list[str]) -> int:
     except SystemExit as exit_:
         code = exit_.code
         if code is None or isinstance(code, int):
+            if code not in (None, 0, markers.PREEMPTED_EXIT, markers.TERMINATED_EXIT):
+                _record_crash(context.run_dir, topology, code)
             return code or 0
         print(code, file=sys.stderr)
+        _record_crash(context.run_dir, topology, 1)
         return 1
     except PhalanxError as err:
         # The launcher prints this once for the whole job; here it only goes to this rank's log.
@@ -65,14 +69,22 @@ def main(argv: list[str]) -> int:
             except OSError:
                 pass
         print(f"phalanx: error: {err}", file=getattr(sys.stderr, "log", sys.stderr), flush=True)
+        _record_crash(context.run_dir, topology, err.exit_code)
         return err.exit_code
     except KeyboardInterrupt as err:  # Ctrl-C: the launcher says so once for the whole job
         _record(err)
         return 130
     except BaseException as err:  # noqa: BLE001 - reported, then the process exits non-zero
-        if not _hang_dumped(context, topology.rank, topology.restart_count):
+        lost_peer = any(text in str(err) for text in CONSEQUENCES)
+        if lost_peer and topology.elastic:
+            # An elastic job: a node left or died under this collective; the job re-forms without it.
+            what = next(text for text in CONSEQUENCES if text in str(err))
+            print(f"phalanx: rank {topology.rank}: lost a peer ({what}); the job re-forms", file=sys.stderr)
+        elif not _hang_dumped(context, topology.rank, topology.restart_count):
             traceback.print_exc()  # after this rank's hang dump, an error is only the hang's echo
         _record(err)
+        if not lost_peer:
+            _record_crash(context.run_dir, topology, 1)
         return 1
     finally:
         _teardown()
@@ -83,6 +95,28 @@ def main(argv: list[str]) -> int:
 def _hang_dumped(context, rank: int, attempt: int) -> bool:
     dump = markers.hang_dump(context.run_dir, attempt, rank)
     return dump is not None and dump.is_file()
+
+
+def _record_crash(run_dir: str | None, topology, code: int) -> None:
+    """This rank's own failure (not a lost peer's echo, not a pre-emption): an elastic job's
+    launcher charges it to launch.max_restarts, and reports it when none are left."""
+    record = markers.crash_record(run_dir, topology.restart_count, topology.rank)
+    if record is None:
+        return
+    data = {
+        "rank": topology.rank,
+        "local_rank": topology.local_rank,
+        "pid": os.getpid(),
+        "exitcode": code,
+        "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE", ""),
+    }
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        staging = record.with_name(record.name + ".tmp")
+        staging.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(staging, record)
+    except OSError:
+        pass
 
 
 def _record(err: BaseException) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,6 +27,11 @@ from phalanx.faults.preempt import TermWatch
 from phalanx.faults.watchdog import Watchdog
 from phalanx.session.state import TrainState
 from phalanx.topology import Topology
+from phalanx.util.words import plural
+
+# How much longer than faults.preempt_grace ranks that saved for a join wait for their agent: the
+# launcher reveals the waiting node once they saved, or after preempt_grace at the latest.
+_HOLD_SLACK_S = 10.0
 
 
 class Recovery:
@@ -44,6 +50,7 @@ class Recovery:
         say: Callable[[str], None],
         on_loaded: Callable[[], None] = lambda: None,
         job: str | None = None,
+        describe_batch: Callable[[], str] = lambda: "",
     ):
         self.config, self.topology, self.run_dir = config, topology, run_dir
         self.checkpointer, self.state, self.objects, self.say, self.on_loaded = (
@@ -53,12 +60,18 @@ class Recovery:
             say,
             on_loaded,
         )
+        self.describe_batch = describe_batch  # the batch split now, for the line of a resize
+        self._restart: int | None = None
+        # After a save that stops the run ('stop') or holds it for a joining node ('resize'): what to do
+        # at the next call into the Session, and the checkpoint.
+        self._then: tuple[str, Path] | None = None
+        self.job = job
         self.resume_checked = False
         self.resumed_from: Path | None = None  # the checkpoint this run continues
         # The run its checkpoints record; resume: auto continues only that run (checkpoint/run_identity.py).
         self.identity = RunIdentity.of_session(config, type(checkpointer.strategy).counted_settings())
         # A save the last optimizer step asked for: (its training state, whether it stops the run).
-        self._pending: tuple[dict, list, bool] | None = None
+        self._pending: tuple[dict, list, str | None] | None = None  # then: 'stop', 'resize' or None
         faults = config.faults
         launched = topology.launched
         self.watchdog = (
@@ -124,16 +137,17 @@ class Recovery:
         statistics, which the next forward may have moved) are the ones the step left, taken then.
         Every rank calls it at the same place."""
         if self._pending is None:
+            self._act_on_save()
             return None
-        at_step, buffers, stop = self._pending
+        at_step, buffers, then = self._pending
         self._pending = None
         if self.state.at_epoch_end():
             # The epoch's passes have ended since the step, and the code after them has run: the
             # state now is the next epoch's start (state.py), generators and buffers included.
             at_step, buffers = self.state.state_dict(kept=False), None
         path = self._save(at_step, buffers)
-        if stop:
-            self._stopped_for_preemption(path)
+        self._after_save(path, then)
+        self._act_on_save()
         return path
 
     def dropped(self) -> str | None:
@@ -171,8 +185,22 @@ class Recovery:
             self.say(f"phalanx: loaded the weights of {where}")
         else:
             self.resumed_from = where
-            self.say(f"phalanx: resumed from {where}: {progress_words(manifest)}")
+            self.say(self._resumed_line(where, manifest))
         return where
+
+    def _resumed_line(self, where: Path, manifest: dict) -> str:
+        """The resume's line; after a change of size (an elastic job that lost or gained nodes), the
+        one line that says what changed: nodes and processes before and after, the step, the split."""
+        before = manifest.get("world_size") or self.topology.world_size
+        nodes_before = manifest.get("nodes") or 1
+        now, nodes_now = self.topology.world_size, self.topology.nnodes
+        if (before, nodes_before) == (now, nodes_now):
+            return f"phalanx: resumed from {where}: {progress_words(manifest)}"
+        split = self.describe_batch()
+        return (
+            f"phalanx: resumed from {where} on {_sized(nodes_now, now)}, written on {_sized(nodes_before, before)}: "
+            f"{progress_words(manifest)}" + (f"; {split}" if split else "")
+        )
 
     def after_resume(self, what: str) -> str:
         """The line for starting weights (pretrained, a fine-tuning start) given after the run resumed:
@@ -206,7 +234,7 @@ class Recovery:
             try:
                 found = checkpoint_files.latest(self.root)
                 if found is not None and this_run:
-                    if self.run_dir is None or checkpoint_files.read_manifest(found).get("run_dir") != self.run_dir:
+                    if not _this_run(checkpoint_files.read_manifest(found), self.run_dir, self.job):
                         found = None
             except PhalanxError as err:  # a damaged manifest: every rank raises it, none waits
                 refusal = str(err)
@@ -264,14 +292,37 @@ class Recovery:
             )
 
     def _resume(self, path: Path) -> None:
-        if self.topology.restart_count:
-            self.say(f"phalanx: restart {self.topology.restart_count} after a failure")
+        restart, saved = self._job_restart(), self._saved_world(path)
+        if restart and self.topology.world_size == saved:
+            self.say(f"phalanx: restart {restart} after a failure")
         self.load(path, weights_only=False)
+
+    def _job_restart(self) -> int:
+        """The job's restart count, the highest of its ranks' (a collective): in an elastic job a node
+        that just joined is on its first attempt while the others restart."""
+        if self._restart is None:
+            count = self.topology.restart_count
+            if self.topology.world_size > 1 and dist.is_initialized():
+                counts = [None] * self.topology.world_size
+                dist.all_gather_object(counts, count)
+                count = max(counts)
+            self._restart = count
+        return self._restart
+
+    def _saved_world(self, path: Path) -> int | None:
+        """The process count of the checkpoint at ``path``, as rank 0 reads it (a collective)."""
+        world = None
+        if self.topology.is_main:
+            try:
+                world = checkpoint_files.read_manifest(checkpoint_files.resolve(path)).get("world_size")
+            except PhalanxError:
+                world = None
+        return self._rank0s(world)
 
     def _resume_target(self) -> Path | None:
         """The checkpoint this run continues from, or None. A collective."""
         self.claim(create=False)
-        spec, restart = self.config.checkpoint.resume, self.topology.restart_count
+        spec, restart = self.config.checkpoint.resume, self._job_restart()
         if spec == "never" and not restart:
             return None
         if spec == "auto" or restart:
@@ -286,7 +337,7 @@ class Recovery:
                     )
                 return None
             if spec == "auto":
-                self.identity.check_resume(path, self.topology, self.run_dir, self.say)
+                self.identity.check_resume(path, self.topology, self.run_dir, self.say, job=self.job)
         else:
             path = Path(spec)
         return path
@@ -318,26 +369,66 @@ class Recovery:
         if self.watchdog is not None:
             self.watchdog.stepped()
         every = self.config.checkpoint.save_every
-        stop, timed = self.agreement.poll(self.state.step, bool(self.term and self.term.requested))
-        if not (stop or timed or (isinstance(every, int) and self.state.step % every == 0)):
+        stop, timed, resize = self.agreement.poll(
+            self.state.step, bool(self.term and self.term.requested), self._resize_requested
+        )
+        if not (stop or timed or resize or (isinstance(every, int) and self.state.step % every == 0)):
             return
+        then = "stop" if stop else "resize" if resize else None
         if not (self.state.kept or self.state.ends_epoch()):
             path = self._save(None)  # nothing the script keeps can change after the step: write it now
-            if stop:
-                self._stopped_for_preemption(path)
+            self._after_save(path, then)
             return
         buffers = [(b, b.detach().clone()) for m in self.objects().models for b in m.buffers()]
-        self._pending = (self.state.state_dict(kept=False), buffers, stop)  # written at flush()
+        self._pending = (self.state.state_dict(kept=False), buffers, then)  # written at flush()
 
-    def _stopped_for_preemption(self, path: Path) -> None:
+    def _after_save(self, path: Path, then: str | None) -> None:
+        if then == "stop":
+            self._record_preemption(path)
+        if then is not None:
+            # At the next call into the Session: the step's iteration (the script's logging of it,
+            # its own counters) finishes first, as it would in an uninterrupted run.
+            self._then = (then, path)
+
+    def _act_on_save(self) -> None:
+        if self._then is not None:
+            (then, path), self._then = self._then, None
+            if then == "stop":
+                raise SystemExit(markers.PREEMPTED_EXIT)
+            self._hold_for_resize(path)
+
+    def _resize_requested(self) -> bool:
+        request = markers.path(self.run_dir, markers.RESIZE_REQUEST)
+        return request is not None and request.exists()
+
+    def _hold_for_resize(self, path: Path) -> None:
+        """A node waits to join (launch/elastic.py): with the checkpoint written, tell this node's
+        launcher, and wait for its agent to stop this process and start the larger job from that
+        checkpoint. Should the join fall through (the node gave up), training goes on."""
+        saved = markers.path(self.run_dir, markers.RESIZE_SAVED)
+        if saved is None:
+            return
+        self.say(f"phalanx: a node is joining: checkpoint {path} (step {self.state.step}); the job re-forms with it")
+        if self.topology.local_rank == 0:
+            checkpoint_files.write_json_atomic(saved, {"step": self.state.step, "checkpoint": str(path.resolve())})
+        request = markers.path(self.run_dir, markers.RESIZE_REQUEST)
+        deadline = time.monotonic() + self.config.faults.preempt_grace + _HOLD_SLACK_S
+        with self._io():
+            while request.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.say(f"phalanx: the node that was joining did not; training goes on at step {self.state.step}")
+
+    def _record_preemption(self, path: Path) -> None:
         record = markers.path(self.run_dir, markers.PREEMPTED)
         if self.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
             checkpoint_files.write_json_atomic(record, {"step": self.state.step, "checkpoint": str(path.resolve())})
+        if self.topology.elastic and not (self.term and self.term.requested):
+            # The SIGTERM reached another node: in an elastic job, this one goes on without it.
+            self.say(f"phalanx: a node is leaving the job: checkpoint {path} written at step {self.state.step}")
         if record is None:  # under phalanx launch, the launcher says it once for the job
             self.say(
                 f"phalanx: pre-empted: checkpoint {path} written at step {self.state.step}; launch again to resume"
             )
-        raise SystemExit(markers.PREEMPTED_EXIT)
 
     def close(self) -> None:
         self.lock.release()
@@ -348,6 +439,18 @@ class Recovery:
 
     def _io(self) -> contextlib.AbstractContextManager:
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+
+
+def _this_run(manifest: dict, run_dir: str | None, job: str | None) -> bool:
+    """Whether this launch wrote the checkpoint: its run directory, or (an elastic job, whose rank 0
+    may be on another node after a change) its job id."""
+    return (run_dir is not None and manifest.get("run_dir") == run_dir) or (
+        job is not None and manifest.get("job") == job
+    )
+
+
+def _sized(nodes: int, processes: int) -> str:
+    return f"{plural(nodes, 'node')} ({plural(processes, 'process')})"
 
 
 @contextlib.contextmanager

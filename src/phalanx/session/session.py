@@ -129,8 +129,9 @@ class Session:
         # The loop's own shape: backwards that bypass session.backward, a resumed count (loop_checks.py).
         self._loop = LoopChecks(self.state, self.print, limited=config.train.max_steps is not None)
         run_dir = self._context.run_dir if self._context else None
+        job = self._context.job if self._context else None
         checkpointer = Checkpointer(
-            self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last
+            self.strategy, self.topology, run_dir=run_dir, keep_last=config.checkpoint.keep_last, job=job
         )
         self._recovery = Recovery(
             config,
@@ -142,7 +143,8 @@ class Session:
             self._checkpointed,
             self.print,
             self._after_load,
-            job=self._context.job if self._context else None,
+            job=job,
+            describe_batch=lambda: "; ".join(self._batch.describe()),
         )
         # Tear the process group down even when the user's script raises.
         atexit.register(_close_ref, weakref.ref(self))
