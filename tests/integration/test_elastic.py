@@ -141,3 +141,22 @@ def test_fewer_survivors_than_min_end_the_job_naming_the_lost_node(tmp_path):
     assert last.startswith("phalanx: the job needs at least 2 nodes (--nnodes 2:3)"), a.output()
     assert "lost: node 1 " in last and "launcher pid" in last, last
     assert "Traceback" not in a.output()
+
+
+@pytest.mark.parametrize("processes_then, processes_now", [(2, 1), (1, 2)])
+def test_zero1_resumes_at_another_data_parallel_size(tmp_path, reference, processes_then, processes_now):
+    """The sharded optimizer state is gathered whole into the checkpoint, and split again over the
+    processes that load it."""
+    elastic.write(tmp_path, "zero1")
+    first = run_phalanx("launch", "--cpu", "--nproc", str(processes_then), "train.py", "records", cwd=tmp_path)
+    assert first.returncode == 0, first.output
+    (tmp_path / "resume").mkdir()
+    (tmp_path / "checkpoints" / "step-00000012").rename(tmp_path / "resume" / "step-00000012")
+    (tmp_path / "records" / "final.pt").unlink()
+    again = run_phalanx(
+        "launch", "--cpu", "--nproc", str(processes_now), "--set", "checkpoint.dir=resume",
+        "train.py", "records", cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, again.output
+    assert f"on 1 node ({processes_now} process" in again.output and "step 12" in again.output, again.output
+    assert _same(torch.load(tmp_path / "records" / "final.pt"), reference["ddp"]) < 1e-5

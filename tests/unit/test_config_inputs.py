@@ -93,7 +93,9 @@ def test_case1_a_file_gets_the_same_rule(tmp_path):
     "line, message",
     [
         ("launch.nproc=1000000000000000000000000000000", "'launch.nproc' (from --set): Input should be less than"),
-        ("launch.nnodes=1000000", "'launch.nnodes' (from --set): Input should be less than"),
+        ("launch.nnodes=1000000", "'launch.nnodes' (from --set): must be at most 65536"),
+        ("launch.nnodes=1:1000000", "'launch.nnodes' (from --set): expects N or MIN:MAX"),
+        ("launch.nnodes=3:2", "'launch.nnodes' (from --set): expects MIN:MAX with 1 <= MIN <= MAX"),
         ("faults.preempt_grace=1e300", "'faults.preempt_grace' (from --set): Input should be less than"),
         ("faults.hang_timeout=1e12", "'faults.hang_timeout' (from --set): Input should be less than"),
         ("strategy.ddp.bucket_cap_mb=1e300", "'strategy.ddp.bucket_cap_mb' (from --set): Input should be less"),
@@ -191,7 +193,8 @@ def test_case3_flags_by_their_keys_rules(capsys, workdir, args, message):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("launch.nnodes=0", "invalid value 0 for 'launch.nnodes' (from --set): Input should be greater than 0"),
+        ("launch.nnodes=0", "invalid value 0 for 'launch.nnodes' (from --set): must be at least 1"),
+        ("launch.nnodes=0:2", "invalid value '0:2' for 'launch.nnodes' (from --set): expects MIN:MAX with 1 <="),
         ("launch.gpus=a,b", "invalid value 'a,b' for 'launch.gpus' (from --set): expects comma-separated GPU indices"),
         ("launch.gpus=0", "launch.cpu runs CPU processes only, but launch.gpus picks GPUs '0'; drop one of the two"),
     ],

@@ -33,6 +33,7 @@ from phalanx.metrics.profile import ProfileWindow
 from phalanx.metrics.summary_display import report_run
 from phalanx.strategies import check_combination, strategy_class
 from phalanx.topology import ENV_ATTEMPT, LaunchContext, cpu_count, slurm_job, user_omp_threads, visible_cuda_devices
+from phalanx.util.words import plural
 
 # LaunchRequest fields that are shorthands for `--set launch.<field>=...` (the launch flags).
 LAUNCH_FLAGS = (
@@ -176,7 +177,7 @@ def check_elastic(config: Config, rendezvous: Rendezvous, nproc: int, device: st
             config_plan(config, strategy_class(config.strategy.name, world), world, nproc)
         except PhalanxError as err:
             raise PhalanxError(
-                f"{span}: at {nodes} node(s) ({world} processes) the job cannot run: {err}; "
+                f"{span}: at {plural(nodes, 'node')} ({plural(world, 'process')}) the job cannot run: {err}; "
                 "choose a node range where every size can"
             ) from None
 
