@@ -78,11 +78,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             run = one_run(Path(tmp), args.node_timeout, args.late_node_wait)
         runs.append(run)
-        print(f"run {rep + 1}: " + ", ".join(f"{part} {run[part]:.2f} s" for part in PARTS), flush=True)
+        print(f"run {rep + 1}: " + ", ".join(f"{part} {run[part]:.3f} s" for part in PARTS), flush=True)
     print(f"\nnode_timeout {args.node_timeout} s, {args.reps} runs: median (min-max), seconds")
     for part in PARTS:
         values = [run[part] for run in runs]
-        print(f"  {part:<11} {statistics.median(values):6.2f}  ({min(values):.2f}-{max(values):.2f})")
+        print(f"  {part:<11} {statistics.median(values):7.3f}  ({min(values):.3f}-{max(values):.3f})")
 
 
 if __name__ == "__main__":

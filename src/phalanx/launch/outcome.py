@@ -177,7 +177,8 @@ def report_preemption(run_dir: Path, leaving: bool = False) -> int:
         if leaving:
             _err(
                 f"phalanx: this node left the job: every rank checkpointed at step {saved['step']} "
-                f"({saved['checkpoint']}), and the other nodes go on from there"
+                f"({saved['checkpoint']}); nodes that did not get the SIGTERM go on from there, and a relaunch "
+                "resumes from it"
             )
             return markers.PREEMPTED_EXIT
         _err(
