@@ -79,7 +79,7 @@ class Node:
     """One ``phalanx launch`` of an elastic job (``span``: MIN:MAX), in its own process group and
     tagged, so that every process it starts can be found."""
 
-    def __init__(self, tmp: Path, port: int, name: str, *, span: str = "1:2", pause: float = 0.15, **settings):
+    def __init__(self, tmp: Path, port: int, name: str, *, span: str = "1:2", pause: float = 0.08, **settings):
         launch = {"node_timeout": 3, "late_node_wait": 1, "rendezvous_timeout": 30, **settings}
         sets = [arg for key, value in launch.items() for arg in ("--set", f"launch.{key}={value}")]
         endpoint = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test"]
@@ -135,12 +135,16 @@ def records(tmp: Path, *, meta: bool = False) -> list[dict]:
     return rows
 
 
-def wait_for_step(tmp: Path, step: int, timeout: float, *, world: int | None = None) -> None:
-    """Until some rank has recorded ``step`` (at ``world`` processes, when given)."""
+def wait_for_step(tmp: Path, step: int, timeout: float, *, world: int | None = None, nodes=()) -> None:
+    """Until some rank has recorded ``step`` (at ``world`` processes, when given); an error at once
+    when one of ``nodes`` ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(r["step"] >= step and (world is None or r["world"] == world) for r in records(tmp)):
             return
+        ended = [node for node in nodes if node.proc.poll() is not None]
+        if ended:
+            raise AssertionError(f"node {ended[0].name} ended before step {step}:\n{ended[0].output()}")
         time.sleep(0.05)
     raise AssertionError(f"no rank reached step {step} within {timeout} s")
 

@@ -21,7 +21,7 @@ from phalanx.config.sections import MAX_NNODES, LaunchConfig
 from phalanx.errors import PhalanxError
 from phalanx.faults import markers
 from phalanx.faults.agreement import StepAgreement
-from phalanx.launch.elastic import ElasticRendezvous, JobFailed, NodesLost
+from phalanx.launch.elastic import ElasticRendezvous, JobFailed, JobStopped, NodesLost
 from phalanx.launch.launcher import LaunchRequest, prepare
 from phalanx.launch.rendezvous import plan_rendezvous
 from phalanx.topology import ENV_ATTEMPT, ENV_CONTEXT, LaunchContext, Topology, slurm_job
@@ -206,7 +206,11 @@ def test_a_joining_node_is_shown_to_the_agent_only_once_the_ranks_saved(wrapper,
     wrapper.inner.waiting = 1
     assert wrapper.num_nodes_waiting() == 0 and (tmp_path / markers.RESIZE_REQUEST).exists()
     assert wrapper.num_nodes_waiting() == 0  # still saving
-    (tmp_path / markers.RESIZE_SAVED).write_text("{}")
+    (tmp_path / markers.RESIZE_SAVED).write_text(json.dumps({"nonce": "an earlier join's"}))
+    assert wrapper.num_nodes_waiting() == 0  # an answer to another request does not count
+    nonce = markers.resize_nonce(tmp_path, markers.RESIZE_REQUEST)
+    (tmp_path / markers.RESIZE_SAVED).write_text(json.dumps({"nonce": nonce}))
+    assert markers.resize_held(tmp_path)
     assert wrapper.num_nodes_waiting() == 1
     wrapper.next_rendezvous()  # the join: free, and the markers are gone for the next round
     assert not (tmp_path / markers.RESIZE_REQUEST).exists() and not (tmp_path / markers.RESIZE_SAVED).exists()
@@ -216,8 +220,12 @@ def test_a_node_that_gives_up_before_the_save_lets_training_go_on(wrapper, tmp_p
     wrapper.next_rendezvous()
     wrapper.inner.waiting = 1
     wrapper.num_nodes_waiting()
+    first = markers.resize_nonce(tmp_path, markers.RESIZE_REQUEST)
     wrapper.inner.waiting = 0
     assert wrapper.num_nodes_waiting() == 0 and not (tmp_path / markers.RESIZE_REQUEST).exists()
+    wrapper.inner.waiting = 1  # the next node to come is asked for afresh, under a new name
+    assert wrapper.num_nodes_waiting() == 0
+    assert markers.resize_nonce(tmp_path, markers.RESIZE_REQUEST) not in (None, first)
 
 
 def test_ranks_that_never_save_are_restarted_after_the_grace_period(wrapper, monkeypatch):
@@ -235,7 +243,7 @@ def _crash(tmp_path, attempt: int, rank: int = 0) -> None:
 
 def test_a_lost_peer_costs_no_restart_and_own_crashes_spend_max_restarts(wrapper, tmp_path):
     wrapper.next_rendezvous()
-    for _ in range(3):
+    for _ in range(2):
         wrapper.next_rendezvous()  # peers lost: no crash recorded here
     _crash(tmp_path, wrapper.attempt)
     wrapper.next_rendezvous()  # launch.max_restarts 1: this one is allowed
@@ -243,6 +251,24 @@ def test_a_lost_peer_costs_no_restart_and_own_crashes_spend_max_restarts(wrapper
     with pytest.raises(JobFailed) as failed:
         wrapper.next_rendezvous()
     assert list(failed.value.failure.failures) == [0]
+
+
+def test_attempts_that_keep_failing_without_a_record_are_this_nodes_failures(wrapper, tmp_path):
+    wrapper.next_rendezvous()
+    for _ in range(3):  # the third quick one in a row is charged: launch.max_restarts 1
+        wrapper.next_rendezvous()
+    with pytest.raises(JobStopped, match="4 attempts in a row ended within 60 s"):
+        wrapper.next_rendezvous()
+
+
+def test_a_hang_is_this_nodes_failure(wrapper, tmp_path):
+    wrapper.next_rendezvous()
+    wrapper.restarts_left = 0
+    dump = markers.hang_dump(tmp_path, wrapper.attempt, 1)
+    dump.parent.mkdir(parents=True)
+    dump.write_text("stack")
+    with pytest.raises(JobStopped, match="it hung"):
+        wrapper.next_rendezvous()
 
 
 def test_a_job_that_cannot_re_form_names_the_nodes_that_did_not_come_back(wrapper):

@@ -165,7 +165,18 @@ class Checkpointer:
             trainer = contents.trainer(load_file(directory / TRAINER), directory / TRAINER)
             saved = contents.rng(load_file(directory / RNG), directory / RNG)
             world, was = self.topology.world_size, saved["world_size"]
-            if was != world:
+            # Rank r's streams are rank r's job only while the model-parallel groups stay the same:
+            # a tensor peer must draw what its peers draw.
+            split_then = was // max(1, manifest.get("data_parallel_size") or was)
+            split_now = world // max(1, strategy.data_parallel_size)
+            if split_then != split_now:
+                say(
+                    f"phalanx: the checkpoint's model-parallel groups had {split_then} processes, this run's have "
+                    f"{split_now}: random generators start fresh (dropout masks differ from an uninterrupted run; "
+                    "the data order does not)"
+                )
+                was = 0  # no rank restores its generators
+            elif was != world:
                 kept = "rank 0 keeps its" if min(was, world) == 1 else f"ranks 0-{min(was, world) - 1} keep their"
                 new = f"rank {was}" if world == was + 1 else f"ranks {was}-{world - 1}"
                 fresh = "" if world <= was else f", {new} start{'s' if world == was + 1 else ''} from train.seed"

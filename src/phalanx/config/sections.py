@@ -453,18 +453,18 @@ class LaunchConfig(Section):
         600,
         gt=0,
         le=int(A_WEEK),
-        description="seconds the rendezvous waits for the first nnodes (MIN of a range) to join, at the start and "
+        description="under a node range: seconds the rendezvous waits for MIN nodes to join, at the start and "
         "after a node is lost; a job that cannot form in time ends with exit code 1",
     )
     late_node_wait: int = Field(
         10,
-        ge=0,
+        ge=1,
         le=int(A_WEEK),
         description="under a node range: seconds the rendezvous waits for more nodes (up to MAX) once MIN are there",
     )
     node_timeout: int = Field(
         15,
-        ge=2,
+        ge=3,
         le=3600,
         description="under a node range: seconds without a heartbeat after which a node counts as lost",
     )

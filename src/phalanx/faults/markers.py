@@ -36,6 +36,23 @@ RENDEZVOUS_LOG = "rendezvous.jsonl"
 CRASHED_DIR = "crashed"  # one file per rank whose own error (not a lost peer) ended an attempt
 
 
+def resize_nonce(run_dir: str | Path | None, name: str) -> str | None:
+    """The nonce of the resize marker ``name`` (RESIZE_REQUEST or RESIZE_SAVED), None without one:
+    a saved marker counts only for the request it answers, never for an earlier join's."""
+    if not run_dir:
+        return None
+    try:
+        return json.loads((Path(run_dir) / name).read_text(encoding="utf-8")).get("nonce")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def resize_held(run_dir: str | Path | None) -> bool:
+    """This node's ranks saved for the join now asked for, and hold until their agent restarts them."""
+    asked = resize_nonce(run_dir, RESIZE_REQUEST)
+    return asked is not None and resize_nonce(run_dir, RESIZE_SAVED) == asked
+
+
 def crash_record(run_dir: str | Path | None, attempt: int, rank: int) -> Path | None:
     return Path(run_dir) / CRASHED_DIR / f"attempt{attempt}" / f"rank{rank}.json" if run_dir else None
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from phalanx.faults.markers import PREEMPT_REQUEST, RESIZE_SAVED, TERMINATED_EXIT
+from phalanx.faults.markers import PREEMPT_REQUEST, TERMINATED_EXIT, resize_held
 
 # How long a worker waits for the launcher's marker after a SIGTERM: slurm signals every process
 # of a job at once, so a worker may see the signal a moment before the launcher writes the file.
@@ -37,6 +37,7 @@ class TermWatch:
         self.grace = grace
         self.rank = rank
         self.requested = False  # read by the Session at step boundaries
+        self._deadline: threading.Timer | None = None
         self.installed = False
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
@@ -96,14 +97,20 @@ class TermWatch:
             file=sys.stderr,
             flush=True,
         )
-        deadline = threading.Timer(self.grace, self._too_late)
-        deadline.daemon = True
-        deadline.start()
+        self._deadline = threading.Timer(self.grace, self._too_late)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def checkpointed(self) -> None:
+        """The pre-emption's checkpoint is written: the grace deadline no longer applies (the script
+        may finish the step's iteration before the rank exits)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def _is_preemption(self) -> bool:
         if self.request is None:
             return True
-        if (self.request.parent / RESIZE_SAVED).exists():
+        if resize_held(self.request.parent):
             return False  # this rank saved for a node joining: its agent restarts it with the node
         end = time.monotonic() + _MARKER_WAIT_S
         while time.monotonic() < end:

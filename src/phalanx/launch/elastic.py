@@ -41,6 +41,9 @@ BACKEND = "phalanx-c10d"
 # The agent's own restart limit under a node range: this wrapper decides which restarts count.
 UNLIMITED_RESTARTS = 1_000_000
 _MEMBERS_WAIT_S = 30.0
+# Attempts that fail within this many seconds, this many times in a row, count as this node's own
+# failure even without a record: a crash loop, not nodes coming and going.
+_QUICK_S, _QUICK_LIMIT = 60.0, 3
 # torch's shared-store path publishes rank 0's address only when rank 0 changes, so a node that
 # joins a running job waits for it forever: every round publishes its own under this setting.
 NO_SHARED_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -52,6 +55,10 @@ class JobFailed(Exception):
     def __init__(self, failure: ChildFailedError):
         super().__init__(str(failure))
         self.failure = failure
+
+
+class JobStopped(Exception):
+    """This node's attempts keep failing without a recorded error, and ``launch.max_restarts`` is spent."""
 
 
 class NodesLost(Exception):
@@ -78,6 +85,10 @@ class ElasticRendezvous(RendezvousHandler):
         self.info: RendezvousInfo | None = None
         self.members: dict[int, str] = {}
         self._asked: float | None = None  # when the workers were asked to save for a join
+        self._nonce = ""  # names that request: the workers' answer carries it
+        self._job: str | None = None
+        self._started = time.monotonic()  # when this node's current attempt began
+        self._quick_in_a_row = 0  # failed attempts in a row that ended soon after they began
         self._revealed = False  # the agent was shown the waiting node: the restart is a join
 
     # -- torch's interface -------------------------------------------------------------------------
@@ -109,13 +120,16 @@ class ElasticRendezvous(RendezvousHandler):
         waiting = self.inner.num_nodes_waiting()
         if waiting == 0:
             if self._asked is not None and not self._revealed:
+                self._asked = None
                 self._clear()  # the node gave up before the workers held: they train on
             return 0
         if self._asked is None:
             self._asked = time.monotonic()
-            _write(self.run_dir / markers.RESIZE_REQUEST, {"waiting": waiting, "time": time.time()})
+            self._nonce = uuid.uuid4().hex
+            request = {"waiting": waiting, "time": time.time(), "nonce": self._nonce}
+            _write(self.run_dir / markers.RESIZE_REQUEST, request)
             return 0
-        if (self.run_dir / markers.RESIZE_SAVED).exists() or time.monotonic() - self._asked > self.grace:
+        if markers.resize_held(self.run_dir) or time.monotonic() - self._asked > self.grace:
             self._revealed = True
             return waiting
         return 0
@@ -138,20 +152,24 @@ class ElasticRendezvous(RendezvousHandler):
             os.environ.update(replace(context, job=job).to_env())
         os.environ[ENV_ATTEMPT] = str(self.attempt)
         self.members = self._members(info)
-        with (self.run_dir / markers.RENDEZVOUS_LOG).open("a", encoding="utf-8") as log:
-            log.write(
-                json.dumps(
-                    {"attempt": self.attempt, "nodes": info.world_size, "node": info.rank, "formed": time.time()}
-                )
-                + "\n"
-            )
+        self._started = time.monotonic()
+        line = {"attempt": self.attempt, "nodes": info.world_size, "node": info.rank, "formed": time.time()}
+        try:
+            with (self.run_dir / markers.RENDEZVOUS_LOG).open("a", encoding="utf-8") as log:
+                log.write(json.dumps(line) + "\n")
+        except OSError:
+            pass  # a record for the benchmark and for reading afterwards; the job does not need it
         if first:
             self.announce(info.world_size, info.rank)
 
     def _job_id(self, info: RendezvousInfo) -> str:
         """One id for the whole job, across rounds and nodes: the first node to form it picks it."""
         key = f"phalanx.{self.get_run_id()}.job"
-        return info.store.underlying_store.compare_set(key, "", uuid.uuid4().hex).decode()
+        try:
+            self._job = info.store.underlying_store.compare_set(key, "", uuid.uuid4().hex).decode()
+        except Exception:  # noqa: BLE001 - the store went with its host: the next round says so
+            self._job = self._job or uuid.uuid4().hex
+        return self._job
 
     def _members(self, info: RendezvousInfo) -> dict[int, str]:
         """Who is in this round, node index to a description (host and launcher pid)."""
@@ -178,13 +196,24 @@ class ElasticRendezvous(RendezvousHandler):
         except Exception:  # noqa: BLE001 - the store's host is gone: the rendezvous will say so
             pass
         if self._revealed:
-            return
+            return  # a join: the ranks saved, and the agent restarted them for it
         crashes = markers.crashes(self.run_dir, self.attempt)
-        if not crashes:
+        hung = markers.hang_dump(self.run_dir, self.attempt, 0).parent.is_dir()
+        quick = time.monotonic() - self._started < _QUICK_S
+        self._quick_in_a_row = self._quick_in_a_row + 1 if quick else 0
+        # A peer lost or leaving leaves no record here. A worker that died by a signal (a segfault,
+        # the OOM killer) leaves none either: a node whose attempts keep ending quickly counts them.
+        if not (crashes or hung or self._quick_in_a_row >= _QUICK_LIMIT):
             return
         if self.restarts_left > 0:
             self.restarts_left -= 1
             return
+        if not crashes:
+            why = "it hung" if hung else f"{self._quick_in_a_row} attempts in a row ended within {_QUICK_S:g} s"
+            raise JobStopped(
+                f"phalanx: the job keeps failing on this node ({why}) and launch.max_restarts is spent; "
+                f"logs in {self.run_dir / 'logs'}"
+            )
         failures = {}
         for record in crashes:
             failure = ProcessFailure(record["local_rank"], record["pid"], record["exitcode"], record["error_file"])

@@ -28,7 +28,7 @@ from phalanx.faults.lifeline import ENV_LAUNCHER_PID
 from phalanx.launch.devices import DevicePlan, plan_devices
 from phalanx.launch.outcome import report_failure, report_preemption
 from phalanx.launch.preflight import check_checkpoint_owner, check_output_dirs, check_script
-from phalanx.launch.rendezvous import Rendezvous, plan_rendezvous
+from phalanx.launch.rendezvous import Rendezvous, hosts_store, plan_rendezvous
 from phalanx.metrics.profile import ProfileWindow
 from phalanx.metrics.summary_display import report_run
 from phalanx.strategies import check_combination, strategy_class
@@ -242,7 +242,10 @@ def run_workers(plan: LaunchPlan) -> int:
 
     rdzv = plan.rendezvous
     launch = plan.config.launch
+    os.environ.pop(ENV_ATTEMPT, None)  # a launch inside an elastic job's worker is a job of its own
     restarts, backend, configs = launch.max_restarts, rdzv.backend, dict(rdzv.configs)
+    if rdzv.backend == "c10d" and "is_host" not in configs:
+        configs["is_host"] = hosts_store(rdzv.endpoint)
     if rdzv.elastic:
         from phalanx.launch import elastic
 
@@ -262,8 +265,9 @@ def run_workers(plan: LaunchPlan) -> int:
         configs.update(
             join_timeout=launch.rendezvous_timeout,
             last_call_timeout=launch.late_node_wait,
-            keep_alive_interval=1,
-            keep_alive_max_attempt=launch.node_timeout,
+            # A heartbeat every few seconds (at least 3 missed before a node counts as lost).
+            keep_alive_interval=max(1, launch.node_timeout // 5),
+            keep_alive_max_attempt=launch.node_timeout // max(1, launch.node_timeout // 5),
         )
     config = LaunchConfig(
         min_nodes=rdzv.min_nodes or rdzv.nnodes,
@@ -324,11 +328,11 @@ def _elastic_end(plan: LaunchPlan, err: Exception) -> int | None:
         return None
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
 
-    from phalanx.launch.elastic import JobFailed, NodesLost
+    from phalanx.launch.elastic import JobFailed, JobStopped, NodesLost
 
     if isinstance(err, JobFailed):
         return report_failure(plan.run_dir, err.failure)
-    if isinstance(err, NodesLost):
+    if isinstance(err, (NodesLost, JobStopped)):
         print(str(err), file=sys.stderr, flush=True)
         return 1
     if isinstance(err, RendezvousClosedError):

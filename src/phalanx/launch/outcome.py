@@ -17,7 +17,14 @@ if TYPE_CHECKING:
 _LOG_TAIL_LINES = 15
 _STACK_LINES = 6
 # Errors a rank raises because another rank died first (its sockets closed under it).
-CONSEQUENCES = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
+CONSEQUENCES = (
+    "Connection closed by peer",
+    "remote worker crashing",
+    "Connection reset by peer",
+    "Broken pipe",
+    "ncclRemoteError",  # NCCL: a peer's communicator failed or its process is gone
+    "NCCL communicator was aborted",
+)
 
 
 def report_failure(run_dir: Path, failure) -> int:

@@ -15,6 +15,7 @@ or a SLURM allocation.
 from __future__ import annotations
 
 import re
+import socket
 import uuid
 from dataclasses import dataclass, field
 
@@ -165,6 +166,27 @@ def _elastic(
         source=source,
         min_nodes=low,
     )
+
+
+def hosts_store(endpoint: str) -> bool:
+    """Whether this launcher should host the c10d rendezvous store at ``endpoint``: the address is
+    this machine's and nobody listens on the port yet. torch decides by host name alone, so two
+    launchers on the endpoint's machine (loopback tests, or two jobs' nodes there) could each host a
+    store on the same port and form two jobs that share one checkpoint directory."""
+    host, _, port = endpoint.rpartition(":")
+    address = (host.strip("[]"), int(port))
+    try:
+        with socket.create_connection(address, timeout=1.0):
+            return False  # a store is there already: join it
+    except OSError:
+        pass
+    try:
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(address)
+        return True
+    except OSError:
+        return False  # not an address of this machine (or taken): another machine hosts
 
 
 def _endpoint(text: str, flag: str) -> tuple[str, int]:

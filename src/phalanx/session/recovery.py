@@ -32,6 +32,9 @@ from phalanx.util.words import plural
 # How much longer than faults.preempt_grace ranks that saved for a join wait for their agent: the
 # launcher reveals the waiting node once they saved, or after preempt_grace at the latest.
 _HOLD_SLACK_S = 10.0
+# How long a rank that agreed to save for a join waits for its own launcher's request: the launchers
+# of the nodes poll the rendezvous about 0.1 s apart.
+_REQUEST_LAG_S = 5.0
 
 
 class Recovery:
@@ -192,13 +195,14 @@ class Recovery:
         """The resume's line; after a change of size (an elastic job that lost or gained nodes), the
         one line that says what changed: nodes and processes before and after, the step, the split."""
         before = manifest.get("world_size") or self.topology.world_size
-        nodes_before = manifest.get("nodes") or 1
+        nodes_before = manifest.get("nodes")  # not recorded before elastic jobs: then processes only
         now, nodes_now = self.topology.world_size, self.topology.nnodes
-        if (before, nodes_before) == (now, nodes_now):
+        if before == now and nodes_before in (None, nodes_now):
             return f"phalanx: resumed from {where}: {progress_words(manifest)}"
         split = self.describe_batch()
+        then = _sized(nodes_before, before) if nodes_before else plural(before, "process")
         return (
-            f"phalanx: resumed from {where} on {_sized(nodes_now, now)}, written on {_sized(nodes_before, before)}: "
+            f"phalanx: resumed from {where} on {_sized(nodes_now, now)}, written on {then}: "
             f"{progress_words(manifest)}" + (f"; {split}" if split else "")
         )
 
@@ -405,24 +409,36 @@ class Recovery:
         """A node waits to join (launch/elastic.py): with the checkpoint written, tell this node's
         launcher, and wait for its agent to stop this process and start the larger job from that
         checkpoint. Should the join fall through (the node gave up), training goes on."""
-        saved = markers.path(self.run_dir, markers.RESIZE_SAVED)
-        if saved is None:
+        if self.run_dir is None:
             return
         self.say(f"phalanx: a node is joining: checkpoint {path} (step {self.state.step}); the job re-forms with it")
-        if self.topology.local_rank == 0:
-            checkpoint_files.write_json_atomic(saved, {"step": self.state.step, "checkpoint": str(path.resolve())})
-        request = markers.path(self.run_dir, markers.RESIZE_REQUEST)
-        deadline = time.monotonic() + self.config.faults.preempt_grace + _HOLD_SLACK_S
+        started = time.monotonic()
+        deadline = started + self.config.faults.preempt_grace + _HOLD_SLACK_S
         with self._io():
-            while request.exists() and time.monotonic() < deadline:
+            # Another node's launcher may have seen the joining node first: this one's request follows.
+            while markers.resize_nonce(self.run_dir, markers.RESIZE_REQUEST) is None:
+                if time.monotonic() - started > _REQUEST_LAG_S:
+                    self.say(f"phalanx: the node that was joining did not; training goes on at step {self.state.step}")
+                    return
+                time.sleep(0.05)
+            nonce = markers.resize_nonce(self.run_dir, markers.RESIZE_REQUEST)
+            if self.topology.local_rank == 0:
+                saved = markers.path(self.run_dir, markers.RESIZE_SAVED)
+                answer = {"step": self.state.step, "checkpoint": str(path.resolve()), "nonce": nonce}
+                checkpoint_files.write_json_atomic(saved, answer)
+            while markers.resize_nonce(self.run_dir, markers.RESIZE_REQUEST) == nonce and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.say(f"phalanx: the node that was joining did not; training goes on at step {self.state.step}")
 
     def _record_preemption(self, path: Path) -> None:
         record = markers.path(self.run_dir, markers.PREEMPTED)
-        if self.topology.local_rank == 0 and record is not None:  # every node's launcher reports it
+        here = self.term is not None and self.term.requested  # this node got the SIGTERM
+        if here:
+            self.term.checkpointed()
+        # Every node's launcher reports it; in an elastic job, only the nodes that leave.
+        if self.topology.local_rank == 0 and record is not None and (here or not self.topology.elastic):
             checkpoint_files.write_json_atomic(record, {"step": self.state.step, "checkpoint": str(path.resolve())})
-        if self.topology.elastic and not (self.term and self.term.requested):
+        if self.topology.elastic and not here:
             # The SIGTERM reached another node: in an elastic job, this one goes on without it.
             self.say(f"phalanx: a node is leaving the job: checkpoint {path} written at step {self.state.step}")
         if record is None:  # under phalanx launch, the launcher says it once for the job
