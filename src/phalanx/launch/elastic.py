@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from phalanx.checkpoint.files import write_json_atomic
 from phalanx.faults import markers
 from phalanx.topology import ENV_ATTEMPT, LaunchContext
 
@@ -127,7 +128,7 @@ class ElasticRendezvous(RendezvousHandler):
             self._asked = time.monotonic()
             self._nonce = uuid.uuid4().hex
             request = {"waiting": waiting, "time": time.time(), "nonce": self._nonce}
-            _write(self.run_dir / markers.RESIZE_REQUEST, request)
+            write_json_atomic(self.run_dir / markers.RESIZE_REQUEST, request)
             return 0
         if markers.resize_held(self.run_dir) or time.monotonic() - self._asked > self.grace:
             self._revealed = True
@@ -246,12 +247,6 @@ class ElasticRendezvous(RendezvousHandler):
     def _clear(self) -> None:
         for name in (markers.RESIZE_REQUEST, markers.RESIZE_SAVED):
             (self.run_dir / name).unlink(missing_ok=True)
-
-
-def _write(path: Path, data: dict) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(staging, path)
 
 
 # The launch in progress in this process (one at a time): what the registered creator builds.

@@ -173,8 +173,7 @@ def hosts_store(endpoint: str) -> bool:
     this machine's and nobody listens on the port yet. torch decides by host name alone, so two
     launchers on the endpoint's machine (loopback tests, or two jobs' nodes there) could each host a
     store on the same port and form two jobs that share one checkpoint directory."""
-    host, _, port = endpoint.rpartition(":")
-    address = (host.strip("[]"), int(port))
+    address = _endpoint(endpoint, "--rdzv-endpoint")
     try:
         with socket.create_connection(address, timeout=1.0):
             return False  # a store is there already: join it

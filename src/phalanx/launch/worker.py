@@ -110,11 +110,11 @@ def _record_crash(run_dir: str | None, topology, code: int) -> None:
         "exitcode": code,
         "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE", ""),
     }
+    from phalanx.checkpoint.files import write_json_atomic
+
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        staging = record.with_name(record.name + ".tmp")
-        staging.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(staging, record)
+        write_json_atomic(record, data)
     except OSError:
         pass
 
