@@ -1,8 +1,9 @@
 """One record per optimizer step, kept by the Session: JSONL in ``<run dir>/metrics/rank<N>.jsonl``,
 TensorBoard scalars on rank 0, the profiler window and the FLOPs count for MFU.
 
-Loss and gradient norm stay tensors until a flush (about once a second), so recording never makes
-the host wait for the device in the middle of a step.
+Loss and gradient norm stay tensors until a flush (every 50 steps or once a second, whichever
+comes first), so recording never makes the host wait for the device in the middle of a step; the
+flush reads them all at once.
 """
 
 from __future__ import annotations
@@ -62,7 +63,13 @@ class StepRecorder:
         self._sync_start: float | None = None
         self._wait = 0.0
         self._grad_norm: torch.Tensor | None = None
-        self.noise_scale: float | None = None  # the latest gradient noise scale (session/noise.py)
+        # The noise scale once the first n estimates were in, asked at the flush (session/noise.py
+        # keeps its estimates on the device until then); a record notes n, set by the Session.
+        self.noise_scale: Callable[[int], float | None] | None = None
+        self.noise_taken = 0
+        # What else waits for the flush to read the device (session/items.py's checks), also
+        # without train.metrics.
+        self.at_flush: list[Callable[[], None]] = []
         self.noise_estimated = False  # this step estimated it (its time includes the estimate's)
         self.last_times: tuple[float, float] | None = None  # the last step's time and its synchronising part
         self._last_step = 0
@@ -126,13 +133,13 @@ class StepRecorder:
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": grad_norm,
-                    "noise_scale": self.noise_scale,
+                    "noise_scale": self.noise_taken,  # its value is found at the flush
                     "noise_estimated": self.noise_estimated,
                     "peak_mem_bytes": self._peak_memory(),
                 }
             )
-            if len(self._pending) >= _FLUSH_STEPS or now - self._flushed >= _FLUSH_S:
-                self.flush()
+        if len(self._pending) >= _FLUSH_STEPS or now - self._flushed >= _FLUSH_S:
+            self.flush()
         self._step_start, self._wait = now, 0.0
         self._last_step = step
         if self._profiler is not None and self._profiler.step_end(step):
@@ -141,8 +148,12 @@ class StepRecorder:
     # -- out ------------------------------------------------------------------------------------
     def flush(self) -> None:
         self._flushed = time.perf_counter()
+        for check in self.at_flush:
+            check()
         if not self._pending:
             return
+        for rec in self._pending:
+            rec["noise_scale"] = self.noise_scale(rec["noise_scale"]) if self.noise_scale is not None else None
         rows = [{key: _plain(value) for key, value in rec.items()} for rec in self._pending]
         self._pending.clear()
         self.records.extend(rows)

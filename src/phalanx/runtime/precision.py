@@ -27,6 +27,8 @@ class Precision:
         self.device = device
         self.scaler = torch.amp.GradScaler(device.type) if config.mode == "fp16" else None
         self.notes: list[str] = []  # said once on rank 0 by the Session
+        self._watched: set[int] = set()  # optimizers whose steps a post hook reports
+        self._stepped: set[int] = set()
         if config.mode == "fp16" and device.type == "cpu":
             # Most CPUs have no fp16 matmul (bf16 they often have), so autocast's fp16 kernels
             # convert and run slowly, and nothing else would tell the user (benchmarks/cpu_fp16.py).
@@ -71,11 +73,28 @@ class Precision:
             for optimizer in optimizers:
                 optimizer.step()
             return True
-        scale_before = self.scaler.get_scale()
+        if not all(self._watch(optimizer) for optimizer in optimizers):
+            scale_before = self.scaler.get_scale()  # a read of the device; only for optimizers without hooks
+            for optimizer in optimizers:
+                self.scaler.step(optimizer)
+            self.scaler.update()
+            return self.scaler.get_scale() >= scale_before
+        # Whether each optimizer stepped, from its own post hook: asking the scaler (get_scale)
+        # would read the scale from the device twice more per step.
+        self._stepped.clear()
         for optimizer in optimizers:
             self.scaler.step(optimizer)
         self.scaler.update()
-        return self.scaler.get_scale() >= scale_before
+        return all(id(optimizer) in self._stepped for optimizer in optimizers)
+
+    def _watch(self, optimizer: torch.optim.Optimizer) -> bool:
+        if id(optimizer) not in self._watched:
+            register = getattr(optimizer, "register_step_post_hook", None)
+            if register is None:
+                return False
+            register(lambda opt, args, kwargs: self._stepped.add(id(opt)))
+            self._watched.add(id(optimizer))
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

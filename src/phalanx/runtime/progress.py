@@ -112,14 +112,9 @@ def track(
             now = time.perf_counter()
             if now - last >= _REFRESH_S:
                 last = now
-                bar.update(
-                    task,
-                    completed=_count(meter, samples_per_batch),
-                    status=_status(loss(), meter.per_second, meter.data_share),
-                )
+                _redraw(bar, task, meter, samples_per_batch, loss)
         meter.stop()
-        status = _status(loss(), meter.per_second, meter.data_share)
-        bar.update(task, completed=_count(meter, samples_per_batch), status=status)
+        status = _redraw(bar, task, meter, samples_per_batch, loss)
     if console.file is not stream:
         done = _count(meter, samples_per_batch)
         print(
@@ -128,6 +123,14 @@ def track(
             file=stream.log,
             flush=True,
         )
+
+
+def _redraw(bar: Any, task: Any, meter: Throughput, per_batch: int, loss: Callable[[], float | None]) -> str:
+    """A refresh of the bar, every ``_REFRESH_S`` seconds: the only place it reads the loss from
+    the device."""
+    status = _status(loss(), meter.per_second, meter.data_share)
+    bar.update(task, completed=_count(meter, per_batch), status=status)
+    return status
 
 
 def _timed(batches: Iterable[Any], meter: Throughput) -> Iterator[Any]:

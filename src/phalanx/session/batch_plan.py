@@ -197,7 +197,9 @@ class BatchOwner:
         if self._adaptive is None or times is None:
             return
         self._adaptive.note(*times, estimated)
-        if self._adaptive.decide(self._state.step, self._noise.value, is_adam(optimizers)):
+        # The estimate is read from the device only at the steps where batch.adaptive decides.
+        due = self._state.step % self._adaptive.settings.adapt_every == 0
+        if self._adaptive.decide(self._state.step, self._noise.value if due else None, is_adam(optimizers)):
             self._adapted()
 
     def _adapted(self) -> None:

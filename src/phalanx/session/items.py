@@ -6,13 +6,15 @@ one of a long micro-batch, so the step is not the mean over the global batch's t
 process with the whole global batch computes. With ``items`` phalanx makes it that mean:
 
 - each micro-step back-propagates ``loss * n / unit``: its sum over items, divided by ``unit``, a
-  power of two near one rank's items per window (agreed at the first window, then taken from the
-  last global batch's count, which every rank knows), only so that gradients keep the size they
-  have under the plain contract, which fp16 loss scaling and compressed all-reduces expect;
+  power of two near one rank's items per window (agreed at the first window and kept: following
+  each window's count would read it from the device every step), only so that gradients keep
+  about the size they have under the plain contract, which fp16 loss scaling and compressed
+  all-reduces expect;
 - on the synchronising micro-step, the item count and the loss sum of the window are all-reduced
   over the data-parallel ranks in one collective, started before that backward and awaited after
   it, so it overlaps the gradients' own reduction (nothing is read back to the host in the step:
-  the counts are checked at the next window);
+  the counts are checked at the next metrics flush, about once a second, and when the Session
+  closes);
 - the averaged gradients (each rank's sum / dp) are then multiplied by ``dp * unit / N``, N the
   global batch's items: the mean over every item. That is before clipping, before the gradient
   noise scale reads them, and before a script without an optimizer updates with them.
@@ -69,15 +71,13 @@ class ItemWeighting:
         self._pending: Any = None  # the in-flight all-reduce of (items, loss sum, negative counts)
         self._totals: torch.Tensor | None = None
         self._finished = False  # this window's gradients are rescaled already
-        # The last window's global totals, on their way to the host (read at the next window).
-        self._previous: tuple[torch.Tensor, Any] | None = None
+        # Past windows' global totals, on their way to the host: checked at the metrics flush.
+        self._waiting: list[tuple[torch.Tensor, Any]] = []
 
     def begin(self, weighted: bool) -> None:
         """Before each backward of a window: all of its backwards give items, or none, and none
         comes after the one that rescaled the window's gradients."""
-        if self.weighted is None:
-            self._check_previous()
-        elif self.weighted != weighted:
+        if self.weighted is not None and self.weighted != weighted:
             raise PhalanxError(
                 "session.backward() got items= on some micro-steps of an accumulation window and not on others; "
                 "pass items on every backward (a count of what each loss averages over) or on none"
@@ -146,53 +146,52 @@ class ItemWeighting:
         return (totals[1] / count).float()
 
     def _stash(self, totals: torch.Tensor) -> None:
-        # Read at the next window, when the copy has long arrived: no wait for the device in the step.
+        # Read at the next check, when the copy has long arrived: no wait for the device in the step.
         if totals.device.type == "cuda":
             host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
             host.copy_(totals, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            self._previous = (host, done)
+            self._waiting.append((host, done))
         else:
-            self._previous = (totals.clone(), None)
+            self._waiting.append((totals.clone(), None))
 
-    def _check_previous(self) -> None:
-        """The last window's totals: refuse what made its step wrong, and size this window's unit."""
-        problem = self._previous_problem()
+    def check(self) -> None:
+        """The windows' totals since the last check (the Session checks at each metrics flush, about
+        once a second): refuse what made a step wrong."""
+        problem = self._problem()
         if problem:
             raise PhalanxError(problem)
 
-    def _previous_problem(self) -> str | None:
-        if self._previous is None:
+    def _problem(self) -> str | None:
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
             return None
-        host, done = self._previous
-        self._previous = None
-        if done is not None:
-            done.synchronize()
-        count, negative = float(host[0]), float(host[2])
-        if negative:
-            return (
-                f"session.backward(loss, items=n) got a negative count on {negative:.0f} micro-step(s) of the last "
-                "global batch; n counts the items the loss averages over, e.g. (labels != -100).sum()"
-            )
-        if not math.isfinite(count) or count <= 0:
-            return (
-                f"the items given to session.backward(loss, items=n) added up to {count:g} over the last global "
-                "batch, so its step had no gradient; a token-weighted step needs at least one item (check that "
-                "not every label is padding, e.g. -100), and n must be finite"
-            )
-        # A rank's share of the last global batch: gradients keep their size as the batch grows.
-        self.unit = _power_of_two(count / self.dp)
+        if waiting[-1][1] is not None:
+            waiting[-1][1].synchronize()  # the newest copy: the others were recorded before it
+        rows = torch.stack([host for host, _ in waiting]).tolist()
+        for count, _, negative in rows:
+            if negative:
+                return (
+                    f"session.backward(loss, items=n) got a negative count on {negative:.0f} micro-step(s) of a "
+                    "global batch; n counts the items the loss averages over, e.g. (labels != -100).sum()"
+                )
+            if not math.isfinite(count) or count <= 0:
+                return (
+                    f"the items given to session.backward(loss, items=n) added up to {count:g} over a global "
+                    "batch, so its step had no gradient; a token-weighted step needs at least one item (check that "
+                    "not every label is padding, e.g. -100), and n must be finite"
+                )
         return None
 
-    def mean_factor(self, whole_window: bool) -> float | None:
+    def mean_factor(self, whole_window: bool) -> torch.Tensor:
         """What turns the gradients now held into a mean over their items, for the gradient noise
         scale: after the window's first backward alone, or (``whole_window``) this rank's whole
-        window before the ranks' gradients are averaged; None where they hold no item. Reads counts
-        from the device: only on the steps that estimate."""
+        window before the ranks' gradients are averaged; 0 where they hold no item. A tensor, so
+        that nothing is read from the device."""
         counts = self._local if whole_window else self._local[:1]
-        total = sum(float(c) for c, _ in counts)
-        return self.unit / total if total > 0 else None
+        total = sum(torch.as_tensor(c, dtype=torch.float64, device=self.comm_device) for c, _ in counts)
+        return torch.where(total > 0, self.unit / total, 0.0)
 
     def reset(self) -> None:
         """At the end of each window (a step, or a window dropped at the epoch's end)."""
@@ -203,8 +202,8 @@ class ItemWeighting:
         self._finished = False
 
     def close(self) -> str | None:
-        """What was wrong with the run's last window, if anything (there is no next one to refuse)."""
-        return self._previous_problem()
+        """What was wrong with the windows since the last check, if anything (none is left to refuse)."""
+        return self._problem()
 
 
 def _weighted(loss: torch.Tensor, count: Any) -> torch.Tensor:

@@ -103,6 +103,7 @@ class Session:
         self._batch = BatchOwner(
             config, self.strategy, self.topology, self.state, self._models, self.print, given, sections
         )
+        self.metrics.noise_scale = lambda taken: self.noise.value_after(taken)  # read at each metrics flush
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
         self.last_throughput: Throughput | None = None
         self._in_accumulate = False
@@ -117,6 +118,7 @@ class Session:
         self._items = ItemWeighting(
             self.strategy.data_parallel_size, self.strategy.data_group, self.topology.comm_device
         )
+        self.metrics.at_flush.append(self._items.check)
         self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._roles = LoaderRoles(self.print)  # which loaders train, and the refusals of a wrong guess
@@ -633,7 +635,7 @@ class Session:
                 opt.zero_grad(set_to_none=True)
             self._gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
             lr = base[0][0] * multiplier if base else None
-            self.metrics.noise_scale = self.noise.value
+            self.metrics.noise_taken = self.noise.taken
             self.metrics.record(
                 stepped, self.state.step, self.epoch, self._batch.global_batch_size, self._last_loss, lr
             )

@@ -113,7 +113,10 @@ def average_over(params: list[nn.Parameter], group: Any, size: int) -> None:
         flat = torch.cat([*parts, counts])
         dist.all_reduce(flat, group=group)
         *averaged, had = flat.split([*(part.numel() for part in parts), len(same)])
-        for p, piece, mean, count in zip(same, pieces, averaged, had.tolist()):  # read once per step
+        # Only a rank that lacks a gradient must learn whether another rank had one (a read of the
+        # device); one that has it knows the count is at least its own.
+        counts = had.tolist() if any(g is None for g in pieces) else [1.0] * len(same)
+        for p, piece, mean, count in zip(same, pieces, averaged, counts):
             if count == 0:
                 continue
             mean = mean.view(local(p).shape) / size
