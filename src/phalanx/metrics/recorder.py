@@ -26,6 +26,27 @@ from phalanx.metrics.profile import ProfileWindow, StepProfiler
 from phalanx.metrics.summary import FLOPS_FILE, summarize
 from phalanx.topology import Topology
 
+_FIELDS = (
+    "rank",
+    "step",
+    "epoch",
+    "time",
+    "step_time",
+    "data_wait",
+    "sync_time",
+    "samples",
+    "samples_per_s",
+    "loss",
+    "lr",
+    "grad_norm",
+    "noise_scale",
+    "noise_estimated",
+    "peak_mem_bytes",
+)
+_LOSS, _LR, _GRAD_NORM = _FIELDS.index("loss"), _FIELDS.index("lr"), _FIELDS.index("grad_norm")
+_TENSOR_FIELDS = (_LOSS, _LR, _GRAD_NORM)  # a learning rate may be a tensor too
+_NOISE = _FIELDS.index("noise_scale")
+_MAYBE_NOT_FINITE = ("loss", "lr", "grad_norm", "noise_scale")
 _FLUSH_S = 1.0
 _FLUSH_STEPS = 50
 _KEPT = 10_000  # records kept in memory (``records``), the most recent ones
@@ -57,7 +78,7 @@ class StepRecorder:
         self._board = board
         self._profiler = profiler
         self._summary_at_close = summary_at_close
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[tuple] = []
         self._created = self._flushed = time.perf_counter()
         self._step_start: float | None = None
         self._sync_start: float | None = None
@@ -119,24 +140,25 @@ class StepRecorder:
         step_time = now - (self._step_start if self._step_start is not None else self._created)
         self.last_times = (step_time, now - sync_start if sync_start is not None else 0.0)
         if self.enabled:
+            # A tuple in _FIELDS' order: the dict, and reading the tensors, wait for the flush.
             self._pending.append(
-                {
-                    "rank": self.rank,
-                    "step": step,
-                    "epoch": epoch,
-                    "time": time.time(),
-                    "step_time": step_time,
-                    "data_wait": self._wait,
-                    "sync_time": now - sync_start if sync_start is not None else 0.0,
-                    "samples": samples,
-                    "samples_per_s": samples / step_time if samples and step_time > 0 else None,
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "noise_scale": self.noise_taken,  # its value is found at the flush
-                    "noise_estimated": self.noise_estimated,
-                    "peak_mem_bytes": self._peak_memory(),
-                }
+                (
+                    self.rank,
+                    step,
+                    epoch,
+                    time.time(),
+                    step_time,
+                    self._wait,
+                    now - sync_start if sync_start is not None else 0.0,
+                    samples,
+                    samples / step_time if samples and step_time > 0 else None,
+                    loss,
+                    lr,
+                    grad_norm,
+                    self.noise_taken,  # the estimates in so far: its value is found at the flush
+                    self.noise_estimated,
+                    self._peak_memory(),
+                )
             )
         if len(self._pending) >= _FLUSH_STEPS or now - self._flushed >= _FLUSH_S:
             self.flush()
@@ -152,10 +174,24 @@ class StepRecorder:
             check()
         if not self._pending:
             return
-        for rec in self._pending:
-            rec["noise_scale"] = self.noise_scale(rec["noise_scale"]) if self.noise_scale is not None else None
-        rows = [{key: _plain(value) for key, value in rec.items()} for rec in self._pending]
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        values = _read([rec[i] for rec in pending for i in _TENSOR_FIELDS])
+        noise: dict[int, float | None] = {}  # per count of estimates: few distinct ones per flush
+        if self.noise_scale is not None:
+            for taken in {rec[_NOISE] for rec in pending}:
+                noise[taken] = self.noise_scale(taken)
+        rows = []
+        for rec in pending:
+            row = dict(zip(_FIELDS, rec))
+            row["loss"] = values.get(id(rec[_LOSS]), rec[_LOSS])
+            row["lr"] = values.get(id(rec[_LR]), rec[_LR])
+            row["grad_norm"] = values.get(id(rec[_GRAD_NORM]), rec[_GRAD_NORM])
+            row["noise_scale"] = noise.get(rec[_NOISE])
+            for key in _MAYBE_NOT_FINITE:
+                value = row[key]
+                if value is not None and not math.isfinite(value):
+                    row[key] = None  # JSON's null: strict readers take no NaN
+            rows.append(row)
         self.records.extend(rows)
         if self._file is not None:
             self._file.write("".join(json.dumps(row) + "\n" for row in rows))
@@ -240,16 +276,29 @@ def create_recorder(config: Config, topology: Topology, run_dir: str | None, *, 
     )
 
 
-def _plain(value: Any) -> Any:
-    """A JSON value: tensors read (the device sync happens here, once per flush); NaN and
-    infinity become null, which strict JSON readers accept."""
-    if isinstance(value, torch.Tensor):
+def _read(values: list[Any]) -> dict[int, Any]:
+    """The tensors among ``values`` as numbers, by id: one read of the device for all the
+    one-element tensors of a device and dtype (the host waits once per flush)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    out: dict[int, Any] = {}
+    for value in values:
+        if not isinstance(value, torch.Tensor) or id(value) in out:
+            continue
         if hasattr(value, "to_local"):  # a DTensor: reading it whole would be a collective
-            value = value.to_local()
-        try:
-            value = value.item() if value.numel() == 1 else None
-        except RuntimeError:
-            return None
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+            value_local = value.to_local()
+            out[id(value)] = value_local.item() if value_local.numel() == 1 else None
+        elif value.numel() != 1:
+            out[id(value)] = None
+        else:
+            out[id(value)] = None  # until read below
+            groups.setdefault((value.device, value.dtype, value.dim()), []).append(value)
+    with torch.no_grad():
+        for group in groups.values():
+            try:
+                stacked = torch.stack(group if group[0].dim() == 0 else [t.reshape(()) for t in group])
+                numbers = stacked.tolist()
+            except RuntimeError:  # a tensor that cannot be stacked (another layout): left as None
+                continue
+            for tensor, number in zip(group, numbers):
+                out[id(tensor)] = number
+    return out

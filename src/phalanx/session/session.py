@@ -109,6 +109,7 @@ class Session:
         self._in_accumulate = False
         self._guards = PortingGuards(self._micro_steps_before)  # stray step / zero_grad / scheduler.step
         self._unscaled = False
+        self._schedulers_stepped = 0  # how many of the schedulers phalanx stepped once already
         self._last_loss: torch.Tensor | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
@@ -504,10 +505,14 @@ class Session:
         if train:
             self.last_throughput = meter
 
-    @contextlib.contextmanager
-    def accumulate(self, model: nn.Module) -> Iterator[None]:
+    def accumulate(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """One micro-step: gradients are synchronised and the optimizer stepped only on the last
         micro-step of each global batch."""
+        return _MicroStep(self._micro_step_starts, self._micro_step_ends, model)
+
+    def _micro_step_starts(self, model: nn.Module) -> contextlib.AbstractContextManager | None:
+        """``accumulate()``'s entry; returns the strategy's no_sync context of a micro-step that does
+        not synchronise (None on the one that does)."""
         if not self._recovery.resume_checked:
             self._recovery.ensure_resumed()
         self._recovery.flush()  # the save the last step asked for, now that its iteration is done
@@ -518,12 +523,11 @@ class Session:
         self.state.micro += self._forward_micro
         self.sync_gradients = self.state.micro >= self.accumulation_steps
         self._in_accumulate = True
-        try:
-            with contextlib.nullcontext() if self.sync_gradients else self.strategy.no_sync(model):
-                yield
-        finally:
-            self._in_accumulate = False
-        if self.sync_gradients:
+        return None if self.sync_gradients else self.strategy.no_sync(model)
+
+    def _micro_step_ends(self, failed: bool) -> None:
+        self._in_accumulate = False
+        if not failed and self.sync_gradients:
             self.step()
 
     def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
@@ -556,7 +560,8 @@ class Session:
         first = self.state.micro == joined
         self._gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and not first)
         where = (self.state.step, first, joined, steps, self.sync_gradients)
-        self.noise.before_backward(*where)
+        noise = self._batch.noise
+        noise.before_backward(*where)
         if weighted:
             scaled = self._items.scaled_loss(loss, items, steps)
             if self.sync_gradients:
@@ -566,7 +571,7 @@ class Session:
         else:
             # The mean over `joined` micro-batches is `joined` of the step's 1/steps shares.
             self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
-        self.noise.after_backward(*where, self.precision.scaler, self._items.mean_factor if weighted else None)
+        noise.after_backward(*where, self.precision.scaler, self._items.mean_factor if weighted else None)
         self._gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self._memory_cap is not None:
             self._memory_cap.check()
@@ -602,39 +607,20 @@ class Session:
             for model in self._models:  # each model's norm separately
                 self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
         multiplier = self._batch.step_multiplier(self.state.step)
-        base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
+        lr = self._optimizers[0].param_groups[0]["lr"] * multiplier if self._optimizers else None
         self._guards.in_step = True
         try:
-            for opt in self._optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["lr"] * multiplier
-            try:
-                stepped = self.precision.step(self._optimizers)
-            finally:
-                # Restored before the scheduler steps, so it only ever sees its own values.
-                for opt, lrs in zip(self._optimizers, base):
-                    for group, lr in zip(opt.param_groups, lrs):
-                        group["lr"] = lr
+            stepped = self._optimizer_step(multiplier)
             if stepped:
                 self._loop.at_step()
                 self.state.step += 1
-                with warnings.catch_warnings():
-                    # A sharding strategy steps a new optimizer built on the scheduler's param
-                    # groups; torch cannot see that the step came first, phalanx guarantees it.
-                    warnings.filterwarnings(
-                        "ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning
-                    )
-                    warnings.filterwarnings(
-                        "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
-                    )
-                    for _ in range(self._batch.schedule_steps):
-                        for sched, _ in self._guards.schedulers:
-                            sched.step()
+                schedulers = self._guards.schedulers
+                if schedulers:
+                    self._step_schedulers(schedulers)
                 self._guards.mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
             self._gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
-            lr = base[0][0] * multiplier if base else None
             self.metrics.noise_taken = self.noise.taken
             self.metrics.record(
                 stepped, self.state.step, self.epoch, self._batch.global_batch_size, self._last_loss, lr
@@ -649,6 +635,42 @@ class Session:
         if stepped:
             self._batch.after_step(self.metrics.last_times, estimated, self._optimizers)
         self._recovery.after_step()
+
+    def _optimizer_step(self, multiplier: float) -> bool:
+        """Every optimizer's step at ``multiplier`` times its learning rate (the scaling rule's and
+        batch.adaptive's); False when fp16's loss scaler skipped it."""
+        if multiplier == 1.0:  # the default: no lr to set and restore
+            return self.precision.step(self._optimizers)
+        base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
+        for opt in self._optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["lr"] * multiplier
+        try:
+            return self.precision.step(self._optimizers)
+        finally:
+            # Restored before the scheduler steps, so it only ever sees its own values.
+            for opt, lrs in zip(self._optimizers, base):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr
+
+    def _step_schedulers(self, schedulers: list) -> None:
+        steps = self._batch.schedule_steps
+        if len(schedulers) <= self._schedulers_stepped:
+            for _ in range(steps):  # torch's two warnings below come only from a scheduler's first step
+                for sched, _ in schedulers:
+                    sched.step()
+            return
+        self._schedulers_stepped = len(schedulers)
+        with warnings.catch_warnings():
+            # A sharding strategy steps a new optimizer built on the scheduler's param groups;
+            # torch cannot see that the step came first, phalanx guarantees it.
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
+            )
+            for _ in range(steps):
+                for sched, _ in schedulers:
+                    sched.step()
 
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
@@ -802,6 +824,31 @@ class Session:
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.close(sync=exc_type is None)
+
+
+class _MicroStep:
+    """``with session.accumulate(model):``, a class rather than a generator context manager: it is
+    entered on every micro-step, and a generator's machinery costs microseconds each time."""
+
+    __slots__ = ("starts", "ends", "model", "inner")
+
+    def __init__(self, starts: Any, ends: Any, model: nn.Module):
+        self.starts, self.ends, self.model, self.inner = starts, ends, model, None
+
+    def __enter__(self) -> None:
+        self.inner = self.starts(self.model)
+        if self.inner is not None:
+            self.inner.__enter__()
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> bool:
+        try:
+            if self.inner is not None:
+                self.inner.__exit__(kind, error, trace)
+        except BaseException:
+            self.ends(True)
+            raise
+        self.ends(kind is not None)
+        return False
 
 
 def _close_ref(ref: "weakref.ref[Session]") -> None:
