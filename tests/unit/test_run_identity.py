@@ -61,6 +61,8 @@ ALTERNATIVES: dict[str, list[Any]] = {
     "batch.adapt_every": [10],
     "batch.adaptive_max_global_batch": [256],
     "batch.adaptive_step_times": [[0.1, 0.01]],
+    "batch.adaptive_loss_check": [False],
+    "batch.schedule": ["x2@10"],
     "optim.lr_scaling": ["linear", "sqrt"],
     "optim.reference_batch_size": [16],
     "optim.warmup_steps": [100],
@@ -126,7 +128,8 @@ def _config(changes: dict[str, Any]) -> Config:
 # decision, and docs/checkpoints.md#which-settings-count says the same.
 MUST_COUNT = {
     "batch.global_batch_size", "batch.adaptive", "batch.adapt_every", "batch.adaptive_max_global_batch",
-    "batch.adaptive_step_times", "optim.lr_scaling", "optim.reference_batch_size", "optim.warmup_steps",
+    "batch.adaptive_step_times", "batch.adaptive_loss_check", "batch.schedule", "optim.lr_scaling",
+    "optim.reference_batch_size", "optim.warmup_steps",
     "optim.warmup_start_factor", "optim.max_grad_norm", "precision.mode", "precision.tf32", "data.drop_last",
     "train.seed",
 }  # fmt: skip

@@ -44,6 +44,8 @@ COUNTED = (
     "batch.adapt_every",
     "batch.adaptive_max_global_batch",
     "batch.adaptive_step_times",
+    "batch.adaptive_loss_check",
+    "batch.schedule",
     "optim.lr_scaling",
     "optim.reference_batch_size",
     "optim.warmup_steps",

@@ -1,8 +1,12 @@
-"""Batch arithmetic: global batch = micro batch x accumulation steps x data-parallel processes."""
+"""Batch arithmetic: global batch = micro batch x accumulation steps x data-parallel processes; and
+the entries of ``batch.schedule``, the multiples of the starting global batch at given steps."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from phalanx.errors import ConfigError
 from phalanx.util.words import plural
@@ -112,3 +116,85 @@ def _multiples_near(value: int, base: int) -> str:
     """The multiples of ``base`` on either side of ``value``: "4 or 6"."""
     below, above = (value // base) * base, -(-value // base) * base
     return f"{below} or {above}" if below > 0 else str(above)
+
+
+# -- batch.schedule: a scheduled batch warm-up -----------------------------------------------------
+SCHEDULE_FORMAT = (
+    "x<multiple>@<point>, comma-separated or a list: the multiple a power of two from 2 up, the point a step "
+    "number (x2@3000) or a percentage of train.max_steps (x2@30%), both increasing, e.g. 'x2@30%,x4@60%'"
+)
+_ENTRY = re.compile(r"x(?P<k>\d+)@(?P<at>\d+(?:\.\d+)?)(?P<percent>%?)")
+
+
+@dataclass(frozen=True)
+class Growth:
+    """One entry of ``batch.schedule``: from the end of optimizer step ``at`` (or of the step at
+    ``at`` per cent of train.max_steps) on, the global batch is ``multiple`` times the starting one."""
+
+    multiple: int
+    at: Fraction  # a step number, or a percentage when ``percent``
+    percent: bool
+
+    def step(self, max_steps: int | None) -> int:
+        if not self.percent:
+            return int(self.at)
+        if max_steps is None:
+            raise ConfigError(
+                f"batch.schedule x{self.multiple}@{_point(self)} is a share of train.max_steps, which is null; "
+                f"set train.max_steps, or give the step (x{self.multiple}@<step>)"
+            )
+        return math.floor(self.at * max_steps / 100)
+
+
+def parse_schedule(value: str | list[str]) -> tuple[Growth, ...]:
+    """``batch.schedule`` as written (``"x2@30%,x4@60%"``, or a list of such entries) -> its entries;
+    ValueError in one line for anything else."""
+    entries = value.split(",") if isinstance(value, str) else list(value)
+    out: list[Growth] = []
+    for entry in entries:
+        text = entry.strip().replace(" ", "") if isinstance(entry, str) else None
+        match = _ENTRY.fullmatch(text) if text else None
+        if match is None:
+            raise ValueError(f"entry {entry!r} is not {SCHEDULE_FORMAT}")
+        k, at, percent = int(match["k"]), Fraction(match["at"]), bool(match["percent"])
+        if k < 2 or k & (k - 1):
+            raise ValueError(f"entry {text!r}: the multiple must be a power of two from 2 up")
+        if percent and not 0 < at < 100:
+            raise ValueError(f"entry {text!r}: a percentage of train.max_steps lies between 0 and 100")
+        if not percent and (at.denominator != 1 or at < 1):
+            raise ValueError(f"entry {text!r}: the step must be a whole number from 1 up")
+        out.append(Growth(k, at, percent))
+    if not out:
+        raise ValueError(f"it is empty; write {SCHEDULE_FORMAT}, or null for none")
+    if len({g.percent for g in out}) > 1:
+        raise ValueError("it mixes step numbers and percentages; give all its points one way")
+    for before, after in zip(out, out[1:]):
+        if after.multiple <= before.multiple or after.at <= before.at:
+            raise ValueError(
+                f"x{after.multiple}@{_point(after)} must come after x{before.multiple}@{_point(before)} "
+                "with a larger multiple; both increase along the schedule"
+            )
+    return tuple(out)
+
+
+def schedule_steps(growths: tuple[Growth, ...], max_steps: int | None) -> list[tuple[int, int]]:
+    """(optimizer step, multiple) of each growth for a run of ``max_steps`` (None: no limit);
+    ConfigError when a point falls on step 0, on the same step as the one before, or at the end."""
+    out: list[tuple[int, int]] = []
+    for growth in growths:
+        step = growth.step(max_steps)
+        where = f"batch.schedule x{growth.multiple}@{_point(growth)}"
+        if step < 1 or (out and step <= out[-1][0]):
+            raise ConfigError(
+                f"{where} falls on step {step} of train.max_steps {max_steps}, "
+                + ("before the first step" if step < 1 else f"as the growth before it (step {out[-1][0]})")
+                + "; space the percentages further apart, or give step numbers"
+            )
+        if max_steps is not None and step >= max_steps:
+            raise ConfigError(f"{where} is at or after train.max_steps {max_steps}: it would never train")
+        out.append((step, growth.multiple))
+    return out
+
+
+def _point(growth: Growth) -> str:
+    return f"{float(growth.at):g}%" if growth.percent else str(growth.at)

@@ -8,6 +8,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from phalanx.config.batch import parse_schedule
 from phalanx.util.sizes import size_bytes
 
 # Every whole number ends up in a C integer somewhere (a seed, a tensor size, a timeout); beyond
@@ -143,6 +144,21 @@ class BatchConfig(Section):
             "instead of fitted to the run's step times, so its choices are reproducible (null: fitted)"
         ),
     )
+    adaptive_loss_check: bool = Field(
+        True,
+        description=(
+            "batch.adaptive grows the batch only while the training loss measurably falls, and goes back when a "
+            "larger batch stalls it (docs/goodput.md); false: the noise scale alone decides (a loss too noisy "
+            "to read progress from)"
+        ),
+    )
+    schedule: Optional[Union[str, list[str]]] = Field(
+        None,
+        description=(
+            "grow the global batch at given steps, a scheduled batch warm-up that needs no noise scale: "
+            "x<multiple>@<step or percent of train.max_steps>, e.g. 'x2@30%,x4@60%' (docs/goodput.md); null: off"
+        ),
+    )
 
     @field_validator("adaptive_step_times")
     @classmethod
@@ -150,6 +166,22 @@ class BatchConfig(Section):
         if value is not None and (len(value) != 2 or value[0] <= 0 or value[1] < 0):
             raise ValueError("adaptive_step_times must be [seconds per micro-step > 0, fixed seconds per step >= 0]")
         return value
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule_entries(cls, value):
+        if value is not None:
+            parse_schedule(value)  # the one-line ValueError says what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _one_batch_rule(self):
+        if self.adaptive is not None and self.schedule is not None:
+            raise ValueError(
+                "batch.schedule grows the batch at fixed points and batch.adaptive chooses it from the noise scale; "
+                "set one of them to null"
+            )
+        return self
 
 
 class OptimConfig(Section):

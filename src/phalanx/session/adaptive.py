@@ -12,6 +12,13 @@ the uninterrupted one did: its timing is not the same). The learning rate is mul
 AdaScale gain (Johnson et al. 2020) for SGD-family optimizers, r = (1 + B_noise/G0) / (1 + B_noise/G),
 and by its square root for Adam-family ones; the user's schedulers step k times per optimizer step,
 so a schedule keeps its meaning in samples seen. The choices are part of the checkpoint.
+
+A larger batch must also pay in the run's own training loss (batch_stall.py): no growth while the
+loss is not measurably falling (a plateau, where the noise scale reads high but more steps are what
+pays), and a growth is on trial for two choices' worth of steps, after which it goes back to the
+previous multiple, held there for a while, when its progress per sample fell below half of what the
+noise scale predicted. The Session hands over each optimizer step's loss (``observe_loss``); it stays
+on the device until a choice reads a window's sum once.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from phalanx.config.batch import BatchPlan
 from phalanx.config.schema import Config
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import efficiency
+from phalanx.session.batch_stall import StallCheck
 from phalanx.topology import Topology
 
 MIN_GAIN = 0.03  # a change must promise this much more goodput, or the batch stays
@@ -72,6 +80,13 @@ class AdaptiveBatch:
         self.history: list[tuple[int, int]] = []  # (optimizer step, k) at every change
         self.on_change = None  # the Session's: apply the plan now in effect (also after a resume)
         self._times: deque[tuple[float, float, bool]] = deque(maxlen=config.batch.adapt_every)
+        self.stall = StallCheck(config.batch.adapt_every)  # the loss's say on a larger batch
+
+    def observe_loss(self, loss: torch.Tensor | float | None) -> None:
+        """One optimizer step's training loss, at its end (a tensor is not read here). Rank 0 decides,
+        so only its losses are kept."""
+        if self.topology.rank == 0 and self.settings.adaptive_loss_check:
+            self.stall.losses.add(loss)
 
     def note(self, step_time: float, sync_time: float, estimated: bool) -> None:
         """One optimizer step's time and its synchronising part (for the throughput model)."""
@@ -109,18 +124,31 @@ class AdaptiveBatch:
     def decide(self, step: int, noise_scale: float | None, adam: bool) -> bool:
         """At the end of optimizer step ``step``: re-choose k every adapt_every steps. Returns whether
         it changed. Rank 0 decides (its step times are its own), every rank takes its choice."""
-        if step % self.settings.adapt_every or noise_scale is None:
+        if step % self.settings.adapt_every:
+            return False
+        if self.topology.rank == 0:
+            self.stall.losses.close(step, self.k)  # every window ends, measured or not
+        if noise_scale is None:
             return False
         choice = self.k
         if self.topology.rank == 0:
             if self.model is None:
                 self.model = _fit(list(self._times), self.base.accumulation_steps * self.k)
-            if self.model is not None:
-                choice = choose(self.k, self.candidates(), self.base, noise_scale, *self.model)
+            ruling, bound = self.stall.ruling(step, self.k)
+            if ruling != "free":
+                choice = bound  # a growth on trial stays; a failed one goes back
+            elif self.model is not None:
+                candidates = [c for c in self.candidates() if not bound or c <= bound]
+                choice = choose(self.k, candidates, self.base, noise_scale, *self.model)
+                if choice > self.k and not self.stall.may_grow():
+                    choice = self.k
+                if choice > self.k:
+                    self.stall.grew(step, self.k, choice, self.base.global_batch_size, noise_scale)
         if self.topology.world_size > 1:
-            box = [choice, self.model]
+            box = [choice, self.model, self.stall.decisions()]
             dist.broadcast_object_list(box, src=0)
-            choice, self.model = box
+            choice, self.model, decisions = box
+            self.stall.take(decisions)
         changed = choice != self.k
         self.k = choice
         self.gain = lr_gain(self.k, self.base, noise_scale, adam)
@@ -129,7 +157,13 @@ class AdaptiveBatch:
         return changed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"k": self.k, "gain": self.gain, "model": self.model, "history": [list(h) for h in self.history]}
+        return {
+            "k": self.k,
+            "gain": self.gain,
+            "model": self.model,
+            "history": [list(h) for h in self.history],
+            "stall": self.stall.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not state:
@@ -137,6 +171,8 @@ class AdaptiveBatch:
         self.k, self.gain = int(state["k"]), float(state["gain"])
         self.model = tuple(state["model"]) if state["model"] is not None else None
         self.history = [tuple(h) for h in state["history"]]
+        if state.get("stall") is not None:  # a checkpoint from before the loss check has none
+            self.stall.load_state_dict(state["stall"])
         if self.on_change is not None and self.base is not None:
             self.on_change()
 

@@ -3,9 +3,9 @@ changes them or follows them.
 
 The plan changes at three moments, all of them here: the Session is built (the config's sizes), a
 training loader is set up (its ``batch_size`` is the global batch unless the config says
-otherwise), and ``batch.adaptive`` takes another multiple of the starting batch (during training,
-or restored by a resume). Every change passes the layout lock (layout.py) and re-plans where the
-noise-scale probe reads its small batch (noise.py); a plan made at setup also fixes the
+otherwise), and ``batch.adaptive`` or ``batch.schedule`` takes another multiple of the starting
+batch (during training, or restored by a resume). Every change passes the layout lock (layout.py)
+and re-plans where the noise-scale probe reads its small batch (noise.py); a plan made at setup also fixes the
 learning-rate scaling (runtime/lr.py). A change during training is announced here, in one line; one
 at setup, by the Session's set-up line, which reads ``describe()``.
 
@@ -27,6 +27,8 @@ from phalanx.errors import ConfigError
 from phalanx.runtime.lr import LRScaling
 from phalanx.session.adaptive import AdaptiveBatch, is_adam
 from phalanx.session.adaptive import check as check_adaptive
+from phalanx.session.batch_schedule import ScheduledBatch
+from phalanx.session.batch_schedule import check as check_schedule
 from phalanx.session.layout import LayoutLock
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.state import TrainState
@@ -78,7 +80,13 @@ class BatchOwner:
         self._lr_scaling: LRScaling | None = None  # at setup: the reference may be a loader's batch_size
         self._noise = NoiseProbe(config, strategy, topology, models)  # the Session feeds it gradients
         check_adaptive(config)
-        self._adaptive = AdaptiveBatch(config, topology) if config.batch.adaptive else None
+        check_schedule(config)
+        # batch.schedule takes its multiples from the config, batch.adaptive chooses them: one machinery.
+        self._adaptive: AdaptiveBatch | None = None
+        if config.batch.adaptive:
+            self._adaptive = AdaptiveBatch(config, topology)
+        elif config.batch.schedule is not None:
+            self._adaptive = ScheduledBatch(config, topology)
         if self._adaptive is not None:
             self._adaptive.on_change = self._adapted
         state.noise, state.adaptive = self._noise, self._adaptive
@@ -99,6 +107,7 @@ class BatchOwner:
 
     @property
     def adaptive(self) -> AdaptiveBatch | None:
+        """batch.adaptive's choices, or batch.schedule's multiples (a ScheduledBatch)."""
         return self._adaptive
 
     @property
@@ -115,12 +124,12 @@ class BatchOwner:
 
     @property
     def joins_forwards(self) -> bool:
-        """Whether a training loader's forwards may join micro-batches (batch.adaptive)."""
+        """Whether a training loader's forwards may join micro-batches (batch.adaptive, batch.schedule)."""
         return self._adaptive is not None
 
     @property
     def schedule_steps(self) -> int:
-        """Scheduler steps per optimizer step: under batch.adaptive a step of k times the starting
+        """Scheduler steps per optimizer step: under batch.adaptive or batch.schedule a step of k times the starting
         batch is k of its steps, so a schedule keeps its meaning in samples seen."""
         return self._adaptive.k if self._adaptive is not None else 1
 
@@ -128,7 +137,8 @@ class BatchOwner:
         return self._lr_scaling.multiplier(step) if self._lr_scaling else 1.0
 
     def step_multiplier(self, step: int) -> float:
-        """What optimizer step ``step`` multiplies the lr by: the scaling rule's, times batch.adaptive's gain."""
+        """What optimizer step ``step`` multiplies the lr by: the scaling rule's, times batch.adaptive's (or
+        batch.schedule's) gain."""
         return self.lr_multiplier(step) * (self._adaptive.gain if self._adaptive is not None else 1.0)
 
     def micro_batches_per_forward(self) -> int:
@@ -190,10 +200,22 @@ class BatchOwner:
             self._noise.plan(self._plan)
             self._say_why_no_noise_scale()
 
+    def observe_loss(self, loss: torch.Tensor | float | None) -> None:
+        """The loss of the optimizer step just taken, before ``after_step``: batch.adaptive keeps a larger
+        batch only while the loss says it pays (batch_stall.py). A tensor is not read here: it is added up
+        on its device and read once per ``batch.adapt_every`` steps, at a choice."""
+        if self._adaptive is not None:
+            self._adaptive.observe_loss(loss)
+
     def after_step(
         self, times: tuple[float, float] | None, estimated: bool, optimizers: list[torch.optim.Optimizer]
     ) -> None:
-        """An optimizer step was taken in ``times`` (step, synchronising part): batch.adaptive may re-choose."""
+        """An optimizer step was taken in ``times`` (step, synchronising part): batch.adaptive may
+        re-choose, batch.schedule may grow."""
+        if isinstance(self._adaptive, ScheduledBatch):
+            if self._adaptive.decide(self._state.step, None, is_adam(optimizers)):  # no noise scale asked
+                self._adapted()
+            return
         if self._adaptive is None or times is None:
             return
         self._adaptive.note(*times, estimated)
@@ -203,12 +225,16 @@ class BatchOwner:
             self._adapted()
 
     def _adapted(self) -> None:
-        """batch.adaptive chose another multiple of the starting batch (or a resume restored one)."""
+        """batch.adaptive chose another multiple of the starting batch, batch.schedule reached one (or a
+        resume restored one)."""
         self._plan = self._adaptive.current()
         self._noise.resize(self._plan)
         joined = self._adaptive.merge
         forwards = f", forwards of {joined} micro-batches at once" if joined > 1 else ""
-        self._say(f"phalanx: batch.adaptive: {self._plan.describe()}{forwards} from step {self._state.step}")
+        mode = "batch.schedule" if isinstance(self._adaptive, ScheduledBatch) else "batch.adaptive"
+        why, self._adaptive.stall.why = self._adaptive.stall.why, None
+        because = f" ({why})" if why else ""
+        self._say(f"phalanx: {mode}: {self._plan.describe()}{forwards} from step {self._state.step}{because}")
 
     def _sizes(self, global_batch_size: int | None, batch: BatchConfig | None = None) -> BatchPlan:
         """``batch``: other sizes than the config's (the layout lock plans the script's own)."""
@@ -219,7 +245,7 @@ class BatchOwner:
         why = self._noise.why_not
         if why is None:
             return
-        if self._adaptive is not None:
+        if self._adaptive is not None and not isinstance(self._adaptive, ScheduledBatch):
             raise ConfigError(f"batch.adaptive needs the gradient noise scale, which this run cannot measure: {why}")
         asked = self._config.sources.get("train.noise_scale", "default") != "default"
         if asked and why != self._said_no_noise_scale:  # once per reason, not at every setup_loader

@@ -633,6 +633,7 @@ class Session:
         if self._memory_cap is not None:
             self._memory_cap.check()  # the optimizer's state appears at its first step
         if stepped:
+            self._batch.observe_loss(self._last_loss)  # batch.adaptive's check that a larger batch pays
             self._batch.after_step(self.metrics.last_times, estimated, self._optimizers)
         self._recovery.after_step()
 

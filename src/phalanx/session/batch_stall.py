@@ -1,0 +1,181 @@
+"""batch.adaptive's check on itself: a larger batch is kept only while the training loss says it pays.
+
+The noise scale predicts what a larger batch costs in samples, but on a loss plateau (the gradient
+small against its noise) it reads high, and growing the batch there costs optimizer steps that the
+escape from the plateau needed. So the run's own loss is watched, in windows of ``batch.adapt_every``
+optimizer steps (the stretch between two choices), each window's mean training loss and its standard
+error, and a window's progress is the fall of the mean from the window before, per optimizer step:
+
+- **no growth on a plateau**: a larger batch is taken only when the last two windows, at the current
+  multiple, show the loss falling by more than ``Z`` standard errors of that fall; before two windows
+  are measured nothing grows either (what follows needs the progress before a growth);
+- **a growth on trial**: after a growth from k0 to k1 the next ``TRIAL`` windows run at k1 with no other
+  change; then the progress per sample of their last two (the fall per step / k1) is set against the
+  progress per sample before the growth times what the noise scale predicted for it,
+  efficiency(k1 G0) / efficiency(k0 G0). Below ``STALL`` of that, the batch goes back to k0;
+- **hold**: after going back, no choice may exceed k0 for ``HOLD`` choices, doubled with every back-off in
+  a row (a growth that passes its trial ends the row).
+
+The losses are what the Session hands over at every optimizer step (``LossWindows.add``): tensors stay
+on the device, added up there, and are read once a window, at the choice (no read per step). Rank 0
+measures and decides, as it does for the rest of batch.adaptive; its decisions (the trial, the hold,
+the windows' means) are sent to every rank with its choice, and are part of the checkpoint, together
+with rank 0's running sums of the open window, so a resumed run decides as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from phalanx.runtime.noise_scale import efficiency
+
+STALL = 0.5  # a growth must keep this share of the progress per sample the noise scale predicted for it
+Z = 2.0  # the loss must fall by this many standard errors for a larger batch to be tried
+TRIAL = 2  # windows a growth runs before its verdict
+HOLD = 4  # choices after a back-off that may not exceed the multiple gone back to (x2 per back-off in a row)
+KEPT = 3  # windows remembered: the two a progress needs, and the one before them
+
+
+class LossWindows:
+    """The mean training loss (and its standard error) of each window of steps between two choices."""
+
+    def __init__(self) -> None:
+        self._sums: torch.Tensor | None = None  # (sum, sum of squares) of the open window, where the losses are
+        self._count = 0
+        self.seen = False  # any loss handed over at all: without the Session's losses, no check
+        self.closed: list[list[Any]] = []  # [end step, k, mean or None, standard error or None], oldest first
+
+    def add(self, loss: torch.Tensor | float | None) -> None:
+        """One optimizer step's loss (a tensor stays on its device: no read here)."""
+        if loss is None:
+            return
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().to(torch.float64).mean()
+            pair = torch.stack([value, value * value])
+        else:
+            pair = torch.tensor([float(loss), float(loss) ** 2], dtype=torch.float64)
+        self._sums = pair if self._sums is None else self._sums + pair.to(self._sums.device)
+        self._count += 1
+        self.seen = True
+
+    def close(self, step: int, k: int) -> None:
+        """The window ends with optimizer step ``step``, trained at multiple ``k``: its losses read, once."""
+        mean = error = None
+        if self._count >= 2:
+            total, squares = self._sums.tolist()
+            n = self._count
+            var = max(squares / n - (total / n) ** 2, 0.0) * n / (n - 1)
+            if math.isfinite(total) and math.isfinite(var):
+                mean, error = total / n, math.sqrt(var / n)
+        self.closed = [*self.closed, [step, k, mean, error]][-KEPT:]
+        self._sums, self._count = None, 0
+
+    def progress(self, every: int) -> tuple[float, float] | None:
+        """(fall of the mean loss per step, its standard error) from the last two windows, when both are
+        measured, adjacent and at one multiple; None otherwise."""
+        if len(self.closed) < 2:
+            return None
+        (end0, k0, mean0, err0), (end1, k1, mean1, err1) = self.closed[-2:]
+        if mean0 is None or mean1 is None or k0 != k1 or end1 - end0 != every:
+            return None
+        return (mean0 - mean1) / every, math.hypot(err0, err1) / every
+
+    def state_dict(self) -> dict[str, Any]:
+        sums = self._sums.tolist() if self._sums is not None else None
+        return {"sums": sums, "count": self._count, "seen": self.seen, "closed": [list(w) for w in self.closed]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sums = torch.tensor(state["sums"], dtype=torch.float64) if state["sums"] is not None else None
+        self._count, self.seen = int(state["count"]), bool(state["seen"])
+        self.closed = [list(w) for w in state["closed"]]
+
+
+class StallCheck:
+    """The trial of a growth and the hold after a back-off (see the module's docstring)."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.losses = LossWindows()
+        self.trial: dict[str, Any] | None = None  # {"at", "from", "to", "before", "expect"} of the growth on trial
+        self.cap: int | None = None  # the largest multiple allowed during a hold
+        self.hold_until = 0  # the optimizer step the hold ends at
+        self.strikes = 0  # back-offs in a row
+        self.why: str | None = None  # the last back-off's reason, for the line that announces it (rank 0)
+
+    def ruling(self, step: int, k: int) -> tuple[str, int]:
+        """At a choice, after the window ending at ``step`` closed: ("trial", k) while a growth is on
+        trial, ("back", k0) when it failed, ("free", cap) when the choice is free up to ``cap``
+        (0: any multiple)."""
+        if self.trial is not None:
+            if step < self.trial["at"] + TRIAL * self.every:
+                return "trial", k
+            trial, self.trial = self.trial, None
+            if self._failed(trial):
+                self.why = _why(trial, self.losses.progress(self.every)[0])
+                self.strikes += 1
+                self.cap = trial["from"]
+                self.hold_until = step + HOLD * 2 ** (self.strikes - 1) * self.every
+                return "back", trial["from"]
+            self.strikes = 0
+        if self.cap is not None and step >= self.hold_until:
+            self.cap = None
+        return "free", self.cap or 0
+
+    def may_grow(self) -> bool:
+        """Whether a larger batch may be tried now: the loss is measurably falling (or no loss is handed over)."""
+        if not self.losses.seen:
+            return True  # without the Session's losses batch.adaptive chooses as the noise scale alone says
+        measured = self.losses.progress(self.every)
+        return measured is not None and measured[0] > Z * measured[1]
+
+    def grew(self, step: int, k0: int, k1: int, global_batch: int, noise_scale: float) -> None:
+        """A growth from ``k0`` to ``k1`` at ``step``: on trial, from the progress measured before it."""
+        before = self.losses.progress(self.every) if self.losses.seen else None
+        if before is None:
+            return
+        expect = efficiency(k1 * global_batch, noise_scale) / efficiency(k0 * global_batch, noise_scale)
+        self.trial = {"at": step, "from": k0, "to": k1, "before": before[0], "expect": expect}
+
+    def _failed(self, trial: dict[str, Any]) -> bool:
+        after = self.losses.progress(self.every)
+        if after is None:
+            return False  # unmeasured (no losses, a non-finite loss): nothing says the growth hurt
+        # Per sample: after / k1 against STALL x expect x before / k0.
+        wanted = STALL * trial["expect"] * trial["to"] / trial["from"] * max(trial["before"], 0.0)
+        return after[0] < wanted
+
+    def decisions(self) -> dict[str, Any]:
+        """What every rank must hold alike (rank 0 sends it with its choice)."""
+        return {
+            "trial": self.trial,
+            "cap": self.cap,
+            "hold_until": self.hold_until,
+            "strikes": self.strikes,
+            "closed": [list(w) for w in self.losses.closed],
+        }
+
+    def take(self, decisions: dict[str, Any]) -> None:
+        self.trial = dict(decisions["trial"]) if decisions["trial"] is not None else None
+        self.cap, self.hold_until = decisions["cap"], int(decisions["hold_until"])
+        self.strikes = int(decisions["strikes"])
+        self.losses.closed = [list(w) for w in decisions["closed"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.decisions(), "losses": self.losses.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses.load_state_dict(state["losses"])
+        self.take(state)
+
+
+def _why(trial: dict[str, Any], after: float) -> str:
+    k0, k1 = trial["from"], trial["to"]
+    before = trial["before"] / k0
+    share = f"{after / k1 / before:.2f}x" if before > 0 else "none"
+    return (
+        f"back from x{k1}: the loss's fall per sample there was {share} of that at x{k0}, "
+        f"where the noise scale predicted {trial['expect']:.2f}x"
+    )
