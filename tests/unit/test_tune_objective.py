@@ -3,12 +3,17 @@ rather than by throughput, from the gradient noise scale the trials measured."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from phalanx.cli.main import main
-from phalanx.harness.figures import run_figures
-from phalanx.tune import search
+from phalanx.harness.figures import RunFigures, run_figures
+from phalanx.tune import runner, search
 from phalanx.tune.runner import TuneOptions
+from phalanx.tune.trials import OK, Announced
 
 
 def _m(micro: int, rate: float | None, global_batch: int) -> search.Measured:
@@ -51,3 +56,59 @@ def test_the_objective_is_a_documented_option(capsys):
     assert exit_info.value.code == 2
     assert "invalid choice: 'speed'" in capsys.readouterr().err
     assert "--objective time" in TuneOptions(objective="time", demo=True).command()
+
+
+@given(st.integers(1, 2000))
+def test_the_noise_trial_is_longer_and_weighs_out_its_first_half(steps):
+    total, overrides = search.noise_trial(steps)
+    assert total == max(search.NOISE_TRIAL_LENGTH * steps, search.NOISE_TRIAL_MIN_STEPS)
+    smoothing = float(next(o for o in overrides if o.startswith("train.noise_scale_smoothing=")).split("=")[1])
+    assert "train.noise_scale_every=2" in overrides and 0 < smoothing < 1
+    # The estimates of the warm-up (the first half) in the bias-corrected moving average at the end.
+    estimates = total // search.NOISE_EVERY
+    early = math.floor(total * search.NOISE_WARMUP) // search.NOISE_EVERY
+    weights = [smoothing ** (estimates - i) for i in range(1, estimates + 1)]
+    assert sum(weights[:early]) / sum(weights) <= search.NOISE_WARMUP_WEIGHT + 1e-3
+
+
+def test_the_choice_takes_the_noise_scale_of_the_noise_trial_alone(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text("pass\n")
+    monkeypatch.chdir(tmp_path)
+    launched = []
+
+    def launch(self, script, script_args, *, nproc, parent, extra=(), cap, env=None):
+        launched.append((tuple(extra), cap))
+        return object()
+
+    def conclude(trial, run, *, nproc, warmup, steps):
+        noise = 1e6 if trial.stage == runner.NOISE else 2.0  # the early steps' low estimate
+        trial.outcome = OK
+        rate = 1000.0 * trial.settings.micro / (trial.settings.micro + 16) if trial.settings.micro else 500.0
+        trial.figures = RunFigures(2, trial.settings.global_batch or 128, steps, rate, 0.1, 0.0, None, noise)
+        return trial
+
+    monkeypatch.setattr(TuneOptions, "launch", launch)
+    monkeypatch.setattr(runner, "conclude", conclude)
+    monkeypatch.setattr(runner, "stop_note", lambda run, what, cap: None)
+    monkeypatch.setattr(runner, "announced", lambda run_dir: Announced(128, 16, 2, 0.01, False))
+    opts = TuneOptions(
+        script="train.py",
+        cpu=True,
+        nproc=2,
+        steps=10,
+        warmup=2,
+        dry_run=True,
+        search=("micro-batch",),
+        objective="time",
+        allow_global_batch=True,
+        max_micro_batch=128,
+    )
+    result = runner._Tuner(opts, lambda line: None).run()
+    noise_trials = [t for t in result.trials if t.stage == runner.NOISE]
+    assert len(noise_trials) == 1 and "100 steps" in noise_trials[0].label
+    caps = [cap for extra, cap in launched if any("noise_scale_smoothing" in o for o in extra)]
+    assert caps == [100]  # the one trial that estimates runs 100 steps; the others 10, without estimates
+    assert all(cap == 10 for extra, cap in launched if not any("noise_scale" in o for o in extra))
+    # With the late noise scale (1e6) no smaller global batch wins; the early one (2) would have chosen one.
+    assert "gradient noise scale ≈1,000,000" in result.stages[0].summary
+    assert result.values.get("batch.global_batch_size", 128) >= 128

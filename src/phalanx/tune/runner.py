@@ -36,6 +36,7 @@ from phalanx.util.units import MIB, format_bytes
 from phalanx.util.words import plural
 
 STAGES = ("micro-batch", "workers", "bucket")
+NOISE = "noise scale"  # the stage name of the --objective time trial that measures it
 LIMIT, EXACT = "batch.max_micro_batch_size", "batch.micro_batch_size"
 
 
@@ -126,11 +127,10 @@ class _Tuner:
             *quiet_overrides(self.base.config, self.directory),
             "train.tensorboard=false",
             "launch.max_restarts=0",  # an out-of-memory trial must end, not resume
-            # A trial is short: every other step estimates the noise scale, and the steps in between
-            # give the trial's samples/s (an estimate's cost would favour large batches).
-            # (hook: under ddp without accumulation too; its cost falls on every candidate alike).
-            *(("train.noise_scale=hook", "train.noise_scale_every=2") if options.objective == "time" else ()),
         )
+        # --objective time: the noise scale comes from one longer trial whose first half is weighted
+        # out (search.noise_trial); the others measure samples/s alone, as for throughput.
+        self.noise_steps, self.noise_overrides = search.noise_trial(options.steps)
         self.trials: list[Trial] = []
         self._by_settings: dict[Settings, Trial] = {}
         self.plan: Announced | None = None  # the script's batch plan, from the first trial
@@ -147,19 +147,23 @@ class _Tuner:
             return self._by_settings[settings]
         number = len(self.trials) + 1
         parent = self.directory / f"t{number:02d}"
-        overrides = (*self.common, *(settings.overrides() if settings else ()))
-        run = self.launching.launch(
-            self.script, self.script_args, nproc=self.nproc, parent=parent, extra=overrides, cap=self.cap
+        noise = stage == NOISE
+        own = self.noise_overrides if noise else ()
+        overrides = (*self.common, *own, *(settings.overrides() if settings else ()))
+        steps = self.noise_steps if noise else self.options.steps
+        script, args, cap = (
+            replace(self.options, steps=steps).target("tune") if noise else (self.script, self.script_args, self.cap)
         )
+        run = self.launching.launch(script, args, nproc=self.nproc, parent=parent, extra=overrides, cap=cap)
         trial = conclude(
             Trial(number, stage, settings or Settings(0, 0), label),
             run,
             nproc=self.nproc,
             warmup=self.options.warmup,
-            steps=self.options.steps,
+            steps=steps,
         )
         self.trials.append(trial)
-        if settings is not None and not again:
+        if settings is not None and not again and not noise:
             self._by_settings[settings] = trial
         self.say(_progress_line(trial))
         note = stop_note(run, f"tune trial {number}", self.cap)
@@ -173,13 +177,22 @@ class _Tuner:
         values = [t.figures.noise_scale for t in trials if t.outcome == OK and t.figures and t.figures.noise_scale]
         return statistics.median(values) if values else None
 
-    def _smaller_global_trials(self, current: Settings, start: Trial, multiple: int) -> dict[int, Trial]:
+    def measure_noise(self, settings: Settings) -> float | None:
+        """--objective time: the noise scale from the noise trial at ``settings`` (search.noise_trial:
+        longer than the others, its first half weighted out)."""
+        weighted = f"{search.NOISE_WARMUP:.0%}"
+        label = f"{self.label(settings)}, {self.noise_steps} steps, the first {weighted} weighted out"
+        return self._noise_scale([self.trial(NOISE, settings, label, again=True)])
+
+    def _smaller_global_trials(
+        self, current: Settings, start: Trial, multiple: int, noise: float | None
+    ) -> dict[int, Trial]:
         """--objective time with --allow-global-batch: trials at a half and a quarter of the
         script's global batch (micro-batch and global batch both divided, the accumulation kept).
         Below the noise scale a smaller batch needs fewer samples for the same progress, which can
         more than pay for its lower samples/s; the choice weighs both."""
         out: dict[int, Trial] = {}
-        if start.outcome != OK or self._noise_scale([start]) is None:
+        if start.outcome != OK or noise is None:
             return out  # without a noise scale the choice is by throughput, which a smaller batch never wins
         for factor in (2, 4):
             micro = current.micro // factor
@@ -355,12 +368,14 @@ class _Tuner:
             )
         over = min((s for s, t in tried.items() if s > largest and t.outcome != OK), default=None)
         pool = dict(tried)
+        noise = None
+        if o.objective == "time":
+            noise = self.measure_noise(current if start.outcome == OK else tried[largest].settings)
         if o.objective == "time" and not keep:
-            for size, trial in self._smaller_global_trials(current, start, multiple).items():
+            for size, trial in self._smaller_global_trials(current, start, multiple, noise).items():
                 pool.setdefault(size, trial)
         measured = [search.Measured(s, t.samples_per_s, global_batch=t.settings.global_batch) for s, t in pool.items()]
         measured.sort(key=lambda m: m.value)
-        noise = self._noise_scale(pool.values()) if o.objective == "time" else None
         now = current.micro if start.outcome == OK else None
         winner = search.fastest_to_target(measured, now, noise) if noise else search.fastest(measured, now)
         chosen = pool[int(winner.value)]

@@ -20,6 +20,33 @@ MIN_GAIN = 0.03
 DATA_WAIT_TARGET = 0.03
 BUCKETS_MB = (10.0, 25.0, 50.0, 100.0)
 
+# --objective time: the noise scale comes from one longer trial of the script's own settings, whose
+# first steps do not count. Early in training B_noise is well below what it is later (the gradient is
+# large against its noise), so the first steps of a short trial made larger batches look costly.
+NOISE_TRIAL_LENGTH = 5  # the noise trial runs this many times --steps ...
+NOISE_TRIAL_MIN_STEPS = 100  # ... and at least this many optimizer steps
+NOISE_WARMUP = 0.5  # the share of its steps whose estimates are weighted out
+NOISE_WARMUP_WEIGHT = 0.05  # ... down to at most this share of the final estimate
+NOISE_EVERY = 2  # an estimate every other step
+
+
+def noise_trial(steps: int) -> tuple[int, tuple[str, ...]]:
+    """(optimizer steps, config overrides) of the noise trial for trials of ``steps`` steps.
+
+    The Session's estimate is a moving average of its two parts (docs/goodput.md), factor beta per
+    estimate; the estimates before the warm-up then weigh at most beta^(estimates after it) of the
+    average at the end, and beta is chosen so that this is NOISE_WARMUP_WEIGHT: the value at the
+    trial's end is (to within that weight) the average over the estimates after its warm-up.
+    """
+    total = max(NOISE_TRIAL_LENGTH * steps, NOISE_TRIAL_MIN_STEPS)
+    late = (total - math.floor(total * NOISE_WARMUP)) // NOISE_EVERY
+    smoothing = NOISE_WARMUP_WEIGHT ** (1 / late)
+    return total, (
+        "train.noise_scale=hook",  # under ddp without accumulation too
+        f"train.noise_scale_every={NOISE_EVERY}",
+        f"train.noise_scale_smoothing={smoothing:.6f}",
+    )
+
 
 @dataclass(frozen=True)
 class Measured:
