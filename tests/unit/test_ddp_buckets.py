@@ -43,8 +43,8 @@ def test_small_first_bucket_then_bucket_cap():
     # A bucket closes once it reaches its cap: the first after 2 layers (> 0.3 MiB), the others after 5.
     assert sizes == [2 * layer, 4 * layer]
     assert description.endswith("(bucket 1 MiB, first 0.3 MiB)")
-    plain_sizes, plain, _ = _train(bucket_cap_mb=1.0)
-    assert plain_sizes == [4 * layer, 2 * layer]  # without it the first bucket is as large as the rest
+    plain_sizes, plain, _ = _train(bucket_cap_mb=1.0, first_bucket_cap_mb=1.0)
+    assert plain_sizes == [4 * layer, 2 * layer]  # a first bucket as large as the rest
     assert all(torch.equal(state[k], plain[k]) for k in plain)  # buckets change the schedule, not the sums
 
 
@@ -53,3 +53,15 @@ def test_first_bucket_larger_than_the_others_is_refused():
         ValueError, match=r"strategy.ddp.first_bucket_cap_mb \(30\) is larger than bucket_cap_mb \(25\)"
     ):
         Config(strategy={"ddp": {"first_bucket_cap_mb": 30}})
+
+
+def test_the_default_is_ddps_own_first_bucket():
+    """null: DDP's own 1 MiB first bucket, which DDP drops once a bucket size is given (phalanx
+    always gives one); one bucket of every gradient would make the all-reduce wait for the whole
+    backward."""
+    sizes, _, description = _train()
+    layer = 256 * 256 * 4 + 256 * 4
+    assert sizes == [4 * layer, 2 * layer]  # closed at 1 MiB, then the rest under 25 MiB
+    assert description.endswith("(bucket 25 MiB, first 1 MiB)")
+    small, _, description = _train(bucket_cap_mb=0.5)  # a bucket size below 1 MiB: every bucket alike
+    assert small == [2 * layer, 2 * layer, 2 * layer] and description.endswith("(bucket 0.5 MiB)")

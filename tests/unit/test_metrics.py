@@ -201,9 +201,13 @@ def test_tensorboard_scalars(tmp_path):
     from phalanx.metrics.board import Board
 
     board = Board.open(tmp_path)
-    board.write(synthetic(0, 3))
+    rows = synthetic(0, 5)
+    board.write(rows[:2])  # a flush: one point, the means of its records, at its last step
+    board.write(rows[2:])
     board.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([2.0, 1.0, 2 / 3])
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [2, 5]
+    assert [e.value for e in loss] == pytest.approx([(2.0 + 1.0) / 2, (2 / 3 + 2 / 4 + 2 / 5) / 3])
     assert "perf/samples_per_s" in events.Tags()["scalars"]

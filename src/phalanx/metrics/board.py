@@ -45,13 +45,19 @@ class Board:
         return self._writer
 
     def write(self, records: list[dict[str, Any]]) -> None:
+        """One point per call (a metrics flush: every 50 steps or once a second): each scalar's mean
+        over the records (the peak memory's largest), at the last record's step. A point per step
+        cost about 40 us per step in protobuf work on the training thread, 4% of a 1 ms step; the
+        JSONL files keep every step."""
         writer = self._open()
-        if writer is None:
+        if writer is None or not records:
             return
-        for record in records:
-            for field, tag in _TAGS.items():
-                if record.get(field) is not None:
-                    writer.add_scalar(tag, record[field], global_step=record["step"], walltime=record["time"])
+        last = records[-1]
+        for field, tag in _TAGS.items():
+            values = [r[field] for r in records if r.get(field) is not None]
+            if values:
+                value = max(values) if field == "peak_mem_bytes" else sum(values) / len(values)
+                writer.add_scalar(tag, value, global_step=last["step"], walltime=last["time"])
         writer.flush()
 
     def close(self) -> None:
