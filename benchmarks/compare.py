@@ -11,7 +11,8 @@ the digits demo, the MLP with teacher labels and the small GPT on Markov tokens 
 accuracy), from one invocation: the raw loop at naive settings (micro-batch per process, the task's
 learning rate unscaled), phalanx defaults, phalanx with the config `phalanx tune` wrote for
 throughput (--tuned-config) and with the one `phalanx tune --objective time` wrote (--time-config),
-and phalanx defaults with `batch.adaptive: goodput`. Each config file is its contender's alone, one
+phalanx defaults with `batch.adaptive: goodput`, and with a scheduled batch warm-up (`batch.schedule`,
+per task). Each config file is its contender's alone, one
 FILE for every task or task=FILE pairs; a contender whose option is not given is skipped. The
 readings say each phalanx contender's ratio to the raw loop and whether issue 13's targets are met.
 
@@ -41,7 +42,7 @@ from peers.workloads import WORKLOADS
 from sections import put_section
 
 THROUGHPUT_CONTENDERS = "raw,phalanx,phalanx-preset,accelerate,fabric"
-TARGET_CONTENDERS = "raw,phalanx,phalanx-tuned,phalanx-time,phalanx-adaptive"
+TARGET_CONTENDERS = "raw,phalanx,phalanx-tuned,phalanx-time,phalanx-adaptive,phalanx-schedule"
 CONFIG_OPTIONS = ("--tuned-config", "--time-config")  # the contenders' own config files (driver.Contender)
 
 

@@ -78,6 +78,16 @@ CONTENDERS = {
             # micro-batches up to that size when it grows the batch (docs/goodput.md).
             borrows=(("--tuned-config", "batch.max_micro_batch_size"),),
         ),
+        # phalanx defaults with a scheduled batch warm-up (batch.schedule per task), the robust
+        # mode: no noise scale; forwards join micro-batches up to the tuned limit, as adaptive's do.
+        Contender(
+            "phalanx-schedule",
+            "phalanx scheduled",
+            "phalanx",
+            "phalanx_run.py",
+            task_settings=(("batch.schedule", "schedule"),),
+            borrows=(("--tuned-config", "batch.max_micro_batch_size"),),
+        ),
     )
 }
 

@@ -1,7 +1,8 @@
 """phalanx as its README shows it: a Session, ``setup()``, ``accumulate()`` and ``backward()``.
 
 Run under ``phalanx launch`` by benchmarks/compare.py; what differs between the phalanx
-contenders ("phalanx", "phalanx-preset", "phalanx-tuned", "phalanx-time", "phalanx-adaptive") is
+contenders ("phalanx", "phalanx-preset", "phalanx-tuned", "phalanx-time", "phalanx-adaptive",
+"phalanx-schedule") is
 only the config file they are launched with (``--config``, written by the driver).
 """
 
@@ -56,18 +57,19 @@ def prepare(job: Job) -> Prepared:
     def close() -> None:
         adaptive = session.adaptive
         if adaptive is not None and adaptive.base is not None:
-            # The batches batch.adaptive chose, for the report: "x1, x2 from step 30, ..."
+            # The batches batch.adaptive chose (or batch.schedule took), for the report: "x1, x2 from step 30, ..."
             changes = "".join(f", x{k} from step {s}" for s, k in adaptive.history)
             joined = f" in forwards of {adaptive.merge} micro-batches" if adaptive.merge > 1 else ""
+            mode = "schedule" if session.config.batch.schedule is not None else "adaptive"
             info["adaptive"] = (
-                f"adaptive from global {adaptive.base.global_batch_size}: x1{changes}; "
+                f"{mode} from global {adaptive.base.global_batch_size}: x1{changes}; "
                 f"{session.batch.global_batch_size} at the end{joined}"
             )
         session.close()
 
     return Prepared(
         model,
-        loader,
+        _Progress(session, loader),
         step,
         loader.set_epoch,
         plan.global_batch_size,
@@ -77,6 +79,17 @@ def prepare(job: Job) -> Prepared:
         # True after the micro-step that stepped the optimizer, for the plan in effect then.
         stepped=lambda: session.sync_gradients,
     )
+
+
+class _Progress:
+    """The README's loop: the batches through ``session.progress()``, which counts samples/s and
+    draws rank 0's bar (the bar's cost is phalanx's, so it is measured)."""
+
+    def __init__(self, session: phalanx.Session, loader):
+        self.session, self.loader = session, loader
+
+    def __iter__(self):
+        return iter(self.session.progress(self.loader))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ COLORS = {
     "phalanx-tuned": "tab:green",
     "phalanx-time": "tab:red",
     "phalanx-adaptive": "tab:brown",
+    "phalanx-schedule": "tab:olive",
 }
 
 
@@ -71,7 +72,7 @@ def _choices(c: dict) -> str:
     parts = [f"micro {c.get('micro_batch')} x {c.get('accumulation')} accum", str(c.get("precision"))]
     if c.get("lr") and c["lr"] != "lr as given (no scaling)":
         parts.append(c["lr"])
-    if c.get("adaptive"):  # the batches batch.adaptive chose during the run
+    if c.get("adaptive"):  # the batches batch.adaptive chose (or batch.schedule took) during the run
         parts.append(c["adaptive"])
     parts += [f"{key}={value}" for key, value in c.get("settings", {}).items()]
     return ", ".join(parts)
@@ -97,6 +98,12 @@ def render(data: dict) -> str:
     if "noise_overhead" in data:  # written by benchmarks/noise_overhead.py
         out += ["## Gradient noise scale: overhead (issue 13)", ""] + header(data["noise_overhead"])
         out += data["noise_overhead"]["lines"] + [""]
+    if "step_overhead" in data:  # written by benchmarks/overhead.py
+        out += [
+            "## Per-step overhead: phalanx, Accelerate and Fabric against a hand-written loop (issue 26)",
+            "",
+        ] + header(data["step_overhead"])
+        out += data["step_overhead"]["lines"] + [""]
     if "items_step" in data:  # written by benchmarks/items_step.py
         out += ["## Token-weighted loss: cost per step (issue 22)", ""] + header(data["items_step"])
         out += data["items_step"]["lines"] + [""]
@@ -230,16 +237,18 @@ def _method() -> list[str]:
         "  resolve to) against phalanx defaults, phalanx with the config `phalanx tune` wrote for",
         "  throughput (`--tuned-config`), with the one `phalanx tune --objective time` wrote",
         "  (`--time-config`; each file is its own contender's, one for every task or one per task),",
-        "  and phalanx defaults with `batch.adaptive: goodput` (`batch.adapt_every` per task, about a",
-        "  tenth of the raw loop's steps to the target); a contender whose file is not given is",
-        "  skipped. Tasks: the digits demo, the MLP on teacher labels, and the small GPT on Markov",
-        "  tokens (next-token accuracy over every position). Held-out accuracy is evaluated every fixed",
-        "  number of training samples by all (the rows each micro-step trained on, so a batch that",
-        "  changes during the run is counted as trained), at optimizer-step boundaries, evaluation time",
-        "  included; the clock starts at the first training step (start-up is in the launch column).",
-        "  A ratio needs every run of both to reach the target; the readings say whether issue 13's",
-        "  targets are met: phalanx tuned for time or adaptive (the better) at most 0.6x the raw",
-        "  loop's time on every task, and no phalanx contender above 1.0x on any task.",
+        "  phalanx defaults with `batch.adaptive: goodput` (`batch.adapt_every` per task, about a",
+        "  tenth of the raw loop's steps to the target) and with a `batch.schedule` (twice the batch",
+        "  from about a third of the raw loop's steps to the target, four times from two thirds); a",
+        "  contender whose file is not given is skipped. Tasks: the digits demo, the MLP on teacher",
+        "  labels, and the small GPT on Markov tokens (next-token accuracy over every position).",
+        "  Held-out accuracy is evaluated every fixed number of training samples by all (the rows each",
+        "  micro-step trained on, so a batch that changes during the run is counted as trained), at",
+        "  optimizer-step boundaries, evaluation time included; the clock starts at the first training",
+        "  step (start-up is in the launch column). A ratio needs every run of both to reach the",
+        "  target; the readings say whether issue 13's targets are met: phalanx tuned for time,",
+        "  adaptive or scheduled (the best) at most 0.6x the raw loop's time on every task, and no",
+        "  phalanx contender above 1.0x on any task.",
         "- Start-up (process launch, imports, process group) is not in samples/s; the start-up table",
         "  shows it per launch.",
         "",

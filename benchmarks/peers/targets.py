@@ -38,6 +38,10 @@ class Task:
     # raw loop takes to the target, so that a run makes some ten choices of its batch (a multiple
     # of train.noise_scale_every, 10, so each choice sees a fresh noise-scale estimate).
     adapt_every: int = 50
+    # batch.schedule for the phalanx-schedule contender: twice the batch from about a third of the raw
+    # loop's optimizer steps to the target, four times from about two thirds (where a step decay of
+    # the learning rate would fall), in steps: the time-to-target runs have no train.max_steps.
+    schedule: str = "x2@100,x4@200"
 
     def model(self) -> nn.Module:
         torch.manual_seed(MODEL_SEED)
@@ -138,6 +142,7 @@ TASKS = {
         eval_every=512,
         max_samples=200_000,
         adapt_every=10,  # the raw loop's ~13,000 samples to target (2026-11-30): ~100 steps of 128
+        schedule="x2@35,x4@70",
     ),
     "teacher": Task(
         "teacher",
@@ -151,6 +156,7 @@ TASKS = {
         eval_every=4096,
         max_samples=2_000_000,
         adapt_every=50,  # the raw loop's ~90,000 samples to target (2026-11-30): ~700 steps of 128
+        schedule="x2@250,x4@500",
     ),
     # The held-out metric is next-token accuracy over all 64 positions, on the second-order chain
     # above. Exact expected accuracies (chain_accuracies): 0.336 for the Bayes-optimal predictor,
@@ -174,5 +180,6 @@ TASKS = {
         max_samples=200_000,
         loss=token_loss,
         adapt_every=40,  # the raw loop's ~14,000 sequences to target: ~450 steps of 32
+        schedule="x2@150,x4@300",
     ),
 }

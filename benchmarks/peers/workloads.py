@@ -8,6 +8,7 @@ says whether a speed-up harmed training.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -173,6 +174,37 @@ WORKLOADS = {
         token_loss,
     ),
 }
+
+
+# --- per-step overhead (benchmarks/overhead.py): the same MLP, sized for a step of about N ms -----
+# (hidden width, micro-batch, timed steps) per target step time of one process with 2 threads on
+# the 2-core reference machine; the benchmark prints the step time each actually took.
+STEP_SIZES = {
+    1: (320, 32, 1500),
+    3: (768, 32, 600),
+    10: (1024, 64, 200),
+    30: (1024, 192, 80),
+    100: (1536, 160, 25),
+}
+
+
+def step_workload(ms: int) -> Workload:
+    hidden, micro, steps = STEP_SIZES[ms]
+    return Workload(
+        f"step-{ms}ms",
+        f"MLP 4x{hidden}, micro-batch {micro}, SGD (a step of about {ms} ms)",
+        micro,
+        max(3, steps // 10),
+        steps,
+        functools.partial(mlp, hidden),
+        teacher_mlp_data,
+        256,
+        _sgd,
+        F.cross_entropy,
+    )
+
+
+WORKLOADS.update({f"step-{ms}ms": step_workload(ms) for ms in STEP_SIZES})
 
 
 def tiny(workload: Workload) -> Workload:

@@ -14,6 +14,7 @@ import yaml
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from phalanx import Config
 from tests.helpers.cli import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -198,6 +199,12 @@ def test_each_config_file_reaches_its_own_contender_only(tmp_path):
         "batch": {"adaptive": "goodput", "adapt_every": digits.adapt_every, "max_micro_batch_size": 512}
     }
     assert _read(config_file(CONTENDERS["phalanx-adaptive"], {}, out, None)) == {"batch": {"adaptive": "goodput"}}
+    # The scheduled contender: phalanx defaults plus the task's batch.schedule, and the same limit.
+    assert _read(config_file(CONTENDERS["phalanx-schedule"], files, out, digits)) == {
+        "batch": {"schedule": digits.schedule, "max_micro_batch_size": 512}
+    }
+    for name, task in TASKS.items():  # every task's schedule is one the config accepts
+        assert Config.load(batch={"schedule": task.schedule}).batch.schedule == task.schedule, name
 
 
 def test_per_task_files_and_entries_merge_into_the_files_sections(tmp_path):
@@ -227,7 +234,7 @@ def test_per_task_files_and_entries_merge_into_the_files_sections(tmp_path):
 
 def test_contenders_without_their_config_option_are_skipped_with_a_line(tmp_path, capsys):
     args = compare.parse_args(["--time-to-target"])
-    assert args.contenders == ["raw", "phalanx", "phalanx-adaptive"]
+    assert args.contenders == ["raw", "phalanx", "phalanx-adaptive", "phalanx-schedule"]
     assert args.skipped == [
         "phalanx-tuned: skipped, no --tuned-config given",
         "phalanx-time: skipped, no --time-config given",
@@ -235,7 +242,7 @@ def test_contenders_without_their_config_option_are_skipped_with_a_line(tmp_path
     assert args.tasks == ["digits", "teacher", "gpt"]
 
     args = compare.parse_args(["--time-to-target", "--tuned-config", "t.yaml"])
-    assert args.contenders == ["raw", "phalanx", "phalanx-tuned", "phalanx-adaptive"]
+    assert args.contenders == ["raw", "phalanx", "phalanx-tuned", "phalanx-adaptive", "phalanx-schedule"]
     assert args.files == {"--tuned-config": {None: "t.yaml"}}
     assert args.skipped == ["phalanx-time: skipped, no --time-config given"]
 
@@ -282,10 +289,12 @@ def test_run_all_launches_each_contender_with_its_own_file(tmp_path, monkeypatch
             ("phalanx", "digits", None),
             ("phalanx-tuned", "digits", {"batch": {"micro_batch_size": 512}}),
             ("phalanx-adaptive", "digits", {"batch": {"adaptive": "goodput", "adapt_every": 10}}),
+            ("phalanx-schedule", "digits", {"batch": {"schedule": "x2@35,x4@70"}}),
             ("raw", "gpt", None),
             ("phalanx", "gpt", None),
             ("phalanx-tuned", "gpt", {"batch": {"micro_batch_size": 512}}),
             ("phalanx-adaptive", "gpt", {"batch": {"adaptive": "goodput", "adapt_every": 40}}),
+            ("phalanx-schedule", "gpt", {"batch": {"schedule": "x2@150,x4@300"}}),
         ],
         key=str,
     )
@@ -441,11 +450,13 @@ def test_verdicts_on_the_issues_targets():
         "against 10.0 s); never above 1.0x: met.",
         "digits, 2 processes: phalanx adaptive reaches accuracy 0.5 in 0.70x the raw DDP loop's time (7.0 s against "
         "10.0 s); never above 1.0x: met.",
-        "digits, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time or adaptive, the better): "
+        "digits, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time, adaptive or scheduled, "
+        "the best): "
         "phalanx tuned (time) at 0.55x, met.",
     ]
     assert (
-        "teacher, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time or adaptive, the better): "
+        "teacher, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time, adaptive or scheduled, "
+        "the best): "
         "phalanx adaptive at 0.50x, met." in lines
     )
     assert (
@@ -453,7 +464,8 @@ def test_verdicts_on_the_issues_targets():
         "not met." in lines
     )
     assert (
-        "gpt, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time or adaptive, the better): "
+        "gpt, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time, adaptive or scheduled, "
+        "the best): "
         "phalanx tuned (time) at 0.80x, not met." in lines
     )
     assert lines[-2:] == [
@@ -481,7 +493,8 @@ def test_verdicts_when_every_target_is_met_and_when_neither_goodput_contender_ra
     assert lines == [
         "teacher, 2 processes: phalanx tuned (time): no ratio (no run finished: exit code 2: bad config); never above "
         "1.0x: not met.",
-        "teacher, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time or adaptive, the better): not "
+        "teacher, 2 processes: at most 0.6x the raw loop's time (phalanx tuned for time, adaptive or scheduled, "
+        "the best): not "
         "met, no ratio for phalanx tuned (time).",
         "over all tasks (teacher): at most 0.6x on every task: not met (missed on teacher x2).",
         "over all tasks (teacher): never above 1.0x for every phalanx contender: not met, phalanx tuned (time) "
