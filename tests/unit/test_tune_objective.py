@@ -80,7 +80,7 @@ def test_the_choice_takes_the_noise_scale_of_the_noise_trial_alone(tmp_path, mon
         launched.append((tuple(extra), cap))
         return object()
 
-    def conclude(trial, run, *, nproc, warmup, steps):
+    def conclude(trial, run, *, nproc, warmup, steps, min_steps=None):
         noise = 1e6 if trial.stage == runner.NOISE else 2.0  # the early steps' low estimate
         trial.outcome = OK
         rate = 1000.0 * trial.settings.micro / (trial.settings.micro + 16) if trial.settings.micro else 500.0
@@ -112,3 +112,13 @@ def test_the_choice_takes_the_noise_scale_of_the_noise_trial_alone(tmp_path, mon
     # With the late noise scale (1e6) no smaller global batch wins; the early one (2) would have chosen one.
     assert "gradient noise scale ≈1,000,000" in result.stages[0].summary
     assert result.values.get("batch.global_batch_size", 128) >= 128
+
+
+@pytest.mark.parametrize("steps", [1, 3, 12, 40, 100])
+def test_a_noise_trial_may_end_after_its_warm_up_and_five_estimates(steps):
+    from phalanx.tune import search
+
+    total, _ = search.noise_trial(steps)
+    least = search.noise_trial_minimum(total)
+    assert total // 2 < least <= total  # past the weighted-out half, never more than the trial
+    assert least - int(total * search.NOISE_WARMUP) == 5 * search.NOISE_EVERY or least == total

@@ -161,6 +161,8 @@ class _Tuner:
             nproc=self.nproc,
             warmup=self.options.warmup,
             steps=steps,
+            # A script shorter than the noise trial still gives it the estimates after its warm-up.
+            min_steps=search.noise_trial_minimum(steps) if noise else None,
         )
         self.trials.append(trial)
         if settings is not None and not again and not noise:

@@ -48,6 +48,12 @@ def noise_trial(steps: int) -> tuple[int, tuple[str, ...]]:
     )
 
 
+def noise_trial_minimum(total: int) -> int:
+    """The fewest steps a noise trial of ``total`` steps may end after and still count: its
+    weighted-out first part and five estimates after it (a script may end before ``total``)."""
+    return min(total, math.floor(total * NOISE_WARMUP) + 5 * NOISE_EVERY)
+
+
 @dataclass(frozen=True)
 class Measured:
     """One trial as the choice sees it; ``samples_per_s`` is None when it did not run its steps."""

@@ -97,9 +97,13 @@ class Trial:
         }
 
 
-def conclude(trial: Trial, run: LaunchRun, *, nproc: int, warmup: int, steps: int) -> Trial:
+def conclude(
+    trial: Trial, run: LaunchRun, *, nproc: int, warmup: int, steps: int, min_steps: int | None = None
+) -> Trial:
     """Fill in how ``run`` ended. Out of memory on any rank is the trial's outcome even when the
-    launcher blamed another rank first (a peer's closed connection, say)."""
+    launcher blamed another rank first (a peer's closed connection, say). ``min_steps``: a run that
+    ended after fewer than ``steps`` but at least these counts, measured over the steps it has (the
+    noise-scale trial, longer than a short script may be)."""
     trial.seconds, trial.log, trial.run_dir = run.seconds, run.log, run.run_dir
     oom_ranks = out_of_memory_ranks(run.run_dir) if run.run_dir else []
     reason = failure_reason(run.log)
@@ -118,6 +122,8 @@ def conclude(trial: Trial, run: LaunchRun, *, nproc: int, warmup: int, steps: in
             "no optimizer step recorded: tune reads the per-step metrics of phalanx.Session",
         )
         return trial
+    if min_steps is not None and min_steps <= run.steps < steps:
+        steps = run.steps
     if run.steps < steps:
         trial.outcome, trial.detail = (
             FAILED,
