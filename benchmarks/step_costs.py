@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "raw loop":
                     medians[name].append(raw(data, skip))
                 else:
-                    medians[name].append(with_phalanx(data, skip, VARIANTS[name], Path(tmp) / f"{name[:8]}-{r}"))
+                    place = Path(tmp) / f"{list(VARIANTS).index(name)}-{r}"
+                    medians[name].append(with_phalanx(data, skip, VARIANTS[name], place))
     step = {name: statistics.median(values) * 1e6 for name, values in medians.items()}
     raw_us, default_us = step["raw loop"], step["defaults"]
     print(f"MLP 2x{WIDTH}, batch {BATCH}, 1 thread; {args.rounds} rounds of {args.steps} steps, medians")

@@ -368,3 +368,9 @@ def scale_tensors(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
             pass
     for tensor in tensors:
         tensor.mul_(factor)
+
+
+def steps_under_inf(optimizer: Any) -> bool:
+    """Whether GradScaler calls this optimizer's step even on an overflow (fused kernels take the
+    inf flag and skip the update on the device): its step hooks then fire on skipped steps too."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

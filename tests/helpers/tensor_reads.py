@@ -3,11 +3,11 @@
 A read (``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``.tolist()``, ``.cpu()``) makes the
 host wait for the device on a GPU. phalanx may read only at its documented read points, each at
 an interval and never per step: the metrics flush (every 50 steps or once a second), a redraw of
-the progress bar (4 a second), the ranks' agreement poll (about once a second) and a batch.adaptive
-decision (every ``batch.adapt_every`` steps). ``counting()`` wraps the read methods of
-``torch.Tensor``; a read whose caller is a phalanx source file counts as *stray* unless one of
-those points is on the stack, and as *allowed* when one is. Reads by torch itself (GradScaler's
-own overflow check, say) are torch's and not counted."""
+the progress bar (4 a second), the ranks' agreement poll (about once a second), a batch.adaptive
+decision (every ``batch.adapt_every`` steps) and the check of token counts (every 50 steps).
+``counting()`` wraps the read methods of ``torch.Tensor``; a read whose caller is a phalanx source
+file counts as *stray* unless one of those points is on the stack, and as *allowed* when one is.
+Reads by torch itself (GradScaler's own overflow check, say) are torch's and not counted."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ READ_POINTS = {
     ("runtime/progress.py", "_redraw"),
     ("faults/agreement.py", "StepAgreement.poll"),
     ("session/batch_plan.py", "BatchOwner.after_step"),
+    ("session/items.py", "ItemWeighting.check"),  # every ITEMS_CHECK_EVERY steps, at one step on every rank
 }
 
 

@@ -82,15 +82,18 @@ def test_a_window_that_mixes_weighted_and_plain_backwards_is_refused():
     session.close()
 
 
-def test_a_global_batch_without_items_is_refused_at_the_next_metrics_flush(capsys):
+def test_a_global_batch_without_items_is_refused_within_the_check_interval(capsys):
+    from phalanx.session.items import ITEMS_CHECK_EVERY
+
     session, model = _session()
     with session.accumulate(model):  # no item: the step gets no gradient, and is not read back here
         session.backward(model(torch.ones(4, 3)).mean(), items=torch.tensor(0))
     assert all(p.grad is None for p in model.parameters())
-    with session.accumulate(model):  # nor at the next step: the counts wait for the flush
-        session.backward(model(torch.ones(4, 3)).mean(), items=4)
     with pytest.raises(PhalanxError, match="added up to 0 over a global batch"):
-        session.metrics.flush()  # every 50 steps or once a second
+        for _ in range(ITEMS_CHECK_EVERY):  # read at the same step on every rank, not at every step
+            with session.accumulate(model):
+                session.backward(model(torch.ones(4, 3)).mean(), items=4)
+    assert session.step_count == ITEMS_CHECK_EVERY
     with session.accumulate(model):  # the run's last window: said when the Session closes
         session.backward(model(torch.ones(4, 3)).mean(), items=torch.tensor(-1))
     session.close()

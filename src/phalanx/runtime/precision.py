@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from phalanx import _torch_compat as compat
 from phalanx.config.schema import PrecisionConfig
 from phalanx.util.tree import map_tensors
 
@@ -90,7 +91,9 @@ class Precision:
     def _watch(self, optimizer: torch.optim.Optimizer) -> bool:
         if id(optimizer) not in self._watched:
             register = getattr(optimizer, "register_step_post_hook", None)
-            if register is None:
+            # A fused optimizer is stepped on an overflow too (it skips on the device): only the
+            # scale says whether it updated.
+            if register is None or compat.steps_under_inf(optimizer):
                 return False
             register(lambda opt, args, kwargs: self._stepped.add(id(opt)))
             self._watched.add(id(optimizer))

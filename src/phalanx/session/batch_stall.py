@@ -43,7 +43,7 @@ class LossWindows:
     """The mean training loss (and its standard error) of each window of steps between two choices."""
 
     def __init__(self) -> None:
-        self._sums: torch.Tensor | None = None  # (sum, sum of squares) of the open window, where the losses are
+        self._sums: torch.Tensor | None = None  # the open window's sums (see add), where the losses are
         self._count = 0
         self.seen = False  # any loss handed over at all: without the Session's losses, no check
         self.closed: list[list[Any]] = []  # [end step, k, mean or None, standard error or None], oldest first
@@ -53,11 +53,19 @@ class LossWindows:
         if loss is None:
             return
         if isinstance(loss, torch.Tensor):
+            if hasattr(loss, "to_local"):  # a DTensor: rank 0's piece, with no collective on rank 0 alone
+                loss = loss.to_local()
             value = loss.detach().to(torch.float64).mean()
-            pair = torch.stack([value, value * value])
         else:
-            pair = torch.tensor([float(loss), float(loss) ** 2], dtype=torch.float64)
-        self._sums = pair if self._sums is None else self._sums + pair.to(self._sums.device)
+            value = torch.tensor(float(loss), dtype=torch.float64)
+        # (sum of x - x0, sum of (x - x0)^2, x0), x0 the window's first loss: sums of squares of the
+        # losses themselves lose the variance to cancellation when it is small against the mean.
+        if self._sums is None:
+            self._sums = torch.stack([torch.zeros_like(value), torch.zeros_like(value), value])
+        else:
+            sums = self._sums.to(value.device)  # restored from a checkpoint on the host: moved once
+            d = value - sums[2]
+            self._sums = sums + torch.stack([d, d * d, torch.zeros_like(d)])
         self._count += 1
         self.seen = True
 
@@ -65,11 +73,11 @@ class LossWindows:
         """The window ends with optimizer step ``step``, trained at multiple ``k``: its losses read, once."""
         mean = error = None
         if self._count >= 2:
-            total, squares = self._sums.tolist()
+            total, squares, shift = self._sums.tolist()
             n = self._count
-            var = max(squares / n - (total / n) ** 2, 0.0) * n / (n - 1)
-            if math.isfinite(total) and math.isfinite(var):
-                mean, error = total / n, math.sqrt(var / n)
+            var = max((squares - total * total / n) / (n - 1), 0.0)
+            if math.isfinite(total) and math.isfinite(shift) and math.isfinite(var):
+                mean, error = shift + total / n, math.sqrt(var / n)
         self.closed = [*self.closed, [step, k, mean, error]][-KEPT:]
         self._sums, self._count = None, 0
 

@@ -13,8 +13,8 @@ process with the whole global batch computes. With ``items`` phalanx makes it th
 - on the synchronising micro-step, the item count and the loss sum of the window are all-reduced
   over the data-parallel ranks in one collective, started before that backward and awaited after
   it, so it overlaps the gradients' own reduction (nothing is read back to the host in the step:
-  the counts are checked at the next metrics flush, about once a second, and when the Session
-  closes);
+  the counts are checked every ``ITEMS_CHECK_EVERY`` optimizer steps, at the same step on every
+  rank, and when the Session closes);
 - the averaged gradients (each rank's sum / dp) are then multiplied by ``dp * unit / N``, N the
   global batch's items: the mean over every item. That is before clipping, before the gradient
   noise scale reads them, and before a script without an optimizer updates with them.
@@ -33,6 +33,8 @@ from torch import nn
 from phalanx._torch_compat import scale_tensors
 from phalanx.errors import PhalanxError
 from phalanx.strategies.dtensor_state import local
+
+ITEMS_CHECK_EVERY = 50  # optimizer steps between two reads of the windows' counts (one stacked read)
 
 
 def check_items(items: Any) -> None:
@@ -71,7 +73,7 @@ class ItemWeighting:
         self._pending: Any = None  # the in-flight all-reduce of (items, loss sum, negative counts)
         self._totals: torch.Tensor | None = None
         self._finished = False  # this window's gradients are rescaled already
-        # Past windows' global totals, on their way to the host: checked at the metrics flush.
+        # Past windows' global totals, on their way to the host: checked every ITEMS_CHECK_EVERY steps.
         self._waiting: list[tuple[torch.Tensor, Any]] = []
 
     def begin(self, weighted: bool) -> None:
@@ -112,7 +114,7 @@ class ItemWeighting:
     def start_reduce(self) -> None:
         """On the synchronising micro-step, before its backward: the window's items, loss sum and
         negative counts, all-reduced over the data-parallel ranks without waiting."""
-        counts = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=self.comm_device) for c, _ in self._local])
+        counts = torch.stack([_on(c, self.comm_device) for c, _ in self._local])
         # A micro-batch without items has a loss of NaN (a mean over nothing) that counts for nothing.
         sums = torch.stack(
             [
@@ -157,8 +159,9 @@ class ItemWeighting:
             self._waiting.append((totals.clone(), None))
 
     def check(self) -> None:
-        """The windows' totals since the last check (the Session checks at each metrics flush, about
-        once a second): refuse what made a step wrong."""
+        """The windows' totals since the last check (the Session checks every ITEMS_CHECK_EVERY
+        optimizer steps, the same step on every rank, so every rank refuses alike): refuse what made a
+        step wrong."""
         problem = self._problem()
         if problem:
             raise PhalanxError(problem)
@@ -190,7 +193,7 @@ class ItemWeighting:
         window before the ranks' gradients are averaged; 0 where they hold no item. A tensor, so
         that nothing is read from the device."""
         counts = self._local if whole_window else self._local[:1]
-        total = sum(torch.as_tensor(c, dtype=torch.float64, device=self.comm_device) for c, _ in counts)
+        total = sum(_on(c, self.comm_device) for c, _ in counts)
         return torch.where(total > 0, self.unit / total, 0.0)
 
     def reset(self) -> None:
@@ -204,6 +207,14 @@ class ItemWeighting:
     def close(self) -> str | None:
         """What was wrong with the windows since the last check, if anything (none is left to refuse)."""
         return self._problem()
+
+
+def _on(count: Any, device: torch.device) -> torch.Tensor:
+    """A count as a float64 scalar on ``device``. A number is filled there (a kernel) rather than
+    copied from the host, a copy to a GPU that waits for the device."""
+    if isinstance(count, torch.Tensor):
+        return count.to(device, torch.float64)
+    return torch.full((), float(count), dtype=torch.float64, device=device)
 
 
 def _weighted(loss: torch.Tensor, count: Any) -> torch.Tensor:

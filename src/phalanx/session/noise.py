@@ -8,7 +8,8 @@ until the second backward adds to it); without accumulation and with several pro
 rank's gradient before DDP averages it, measured in DDP's comm hook. The small squared norm is
 averaged over the ranks (one all-reduce of one number per estimating step).
 
-An estimating step reads nothing back to the host: its two squared norms stay on the device until
+An estimating step reads nothing back to the host (under fp16, torch's GradScaler.get_scale reads
+the loss scale once): its two squared norms stay on the device until
 ``settle()``, which the Session calls where the estimate is used or written (the metrics flush,
 about once a second; a batch.adaptive decision; a checkpoint). Reading them at the step would make
 the host wait for the device there (a stall of the kernel queue on a GPU).
@@ -140,7 +141,9 @@ class NoiseProbe:
         # (small, ranks that had one): a rank whose hook saw no bucket sends zeros.
         zero = torch.zeros((), dtype=torch.float64, device=self.topology.comm_device)
         value, had = small if small is not None else (zero, zero)
-        pair = torch.stack([torch.as_tensor(x, dtype=torch.float64).to(zero.device) for x in (value, had)])
+        if not isinstance(had, torch.Tensor):  # filled on the device: a copy from the host would wait
+            had = torch.full((), float(had), dtype=torch.float64, device=zero.device)
+        pair = torch.stack([value.to(zero.device, torch.float64), had.to(zero.device, torch.float64)])
         if self.topology.world_size > 1:
             # Each rank's small gradient is its own: their sum and how many ranks had one, in one
             # all-reduce that every rank joins.

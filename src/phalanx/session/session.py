@@ -53,7 +53,7 @@ from phalanx.session.batch_plan import BatchOwner
 from phalanx.session.facts import describe_model_size, write_run_facts
 from phalanx.session.gradients import GradientKeeping
 from phalanx.session.guards import PortingGuards
-from phalanx.session.items import ItemWeighting, weighted_mean
+from phalanx.session.items import ITEMS_CHECK_EVERY, ItemWeighting, weighted_mean
 from phalanx.session.kept import Kept
 from phalanx.session.limit import StepLimit
 from phalanx.session.loader_roles import LoaderRoles
@@ -109,7 +109,7 @@ class Session:
         self._in_accumulate = False
         self._guards = PortingGuards(self._micro_steps_before)  # stray step / zero_grad / scheduler.step
         self._unscaled = False
-        self._schedulers_stepped = 0  # how many of the schedulers phalanx stepped once already
+        self._schedulers_stepped: set[int] = set()  # the schedulers phalanx stepped once already
         self._last_loss: torch.Tensor | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
@@ -119,7 +119,7 @@ class Session:
         self._items = ItemWeighting(
             self.strategy.data_parallel_size, self.strategy.data_group, self.topology.comm_device
         )
-        self.metrics.at_flush.append(self._items.check)
+        self.metrics.at_flush.append(self._batch.noise.settle)  # bounded, also without train.metrics
         self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
         self._loaders: list[DeviceLoader] = []
         self._roles = LoaderRoles(self.print)  # which loaders train, and the refusals of a wrong guess
@@ -632,6 +632,8 @@ class Session:
             self._window_done()
         if self._memory_cap is not None:
             self._memory_cap.check()  # the optimizer's state appears at its first step
+        if stepped and self.state.step % ITEMS_CHECK_EVERY == 0:
+            self._items.check()  # at the same step on every rank: each refuses the run alike
         if stepped:
             self._batch.observe_loss(self._last_loss)  # batch.adaptive's check that a larger batch pays
             self._batch.after_step(self.metrics.last_times, estimated, self._optimizers)
@@ -656,12 +658,12 @@ class Session:
 
     def _step_schedulers(self, schedulers: list) -> None:
         steps = self._batch.schedule_steps
-        if len(schedulers) <= self._schedulers_stepped:
+        if all(id(sched) in self._schedulers_stepped for sched, _ in schedulers):
             for _ in range(steps):  # torch's two warnings below come only from a scheduler's first step
                 for sched, _ in schedulers:
                     sched.step()
             return
-        self._schedulers_stepped = len(schedulers)
+        self._schedulers_stepped = {id(sched) for sched, _ in schedulers}
         with warnings.catch_warnings():
             # A sharding strategy steps a new optimizer built on the scheduler's param groups;
             # torch cannot see that the step came first, phalanx guarantees it.
@@ -839,7 +841,11 @@ class _MicroStep:
     def __enter__(self) -> None:
         self.inner = self.starts(self.model)
         if self.inner is not None:
-            self.inner.__enter__()
+            try:
+                self.inner.__enter__()
+            except BaseException:
+                self.ends(True)
+                raise
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> bool:
         try:
