@@ -31,11 +31,12 @@ from mlp_workload import make_data, make_model  # noqa: E402  (the same MLP work
 
 STUDIES: dict[str, list[tuple[str, list[str]]]] = {
     "buckets": [
-        ("bucket 25 MiB (default)", []),
-        ("bucket 8 MiB", ["strategy.ddp.bucket_cap_mb=8"]),
-        ("bucket 4 MiB", ["strategy.ddp.bucket_cap_mb=4"]),
+        # Since issue 26 the default is 25 MiB with DDP's own 1 MiB first bucket.
+        ("bucket 25 MiB, every bucket alike", ["strategy.ddp.first_bucket_cap_mb=25"]),
+        ("bucket 8 MiB", ["strategy.ddp.bucket_cap_mb=8", "strategy.ddp.first_bucket_cap_mb=8"]),
+        ("bucket 4 MiB", ["strategy.ddp.bucket_cap_mb=4", "strategy.ddp.first_bucket_cap_mb=4"]),
         ("bucket 1 MiB", ["strategy.ddp.bucket_cap_mb=1"]),
-        ("bucket 25, first 1 MiB", ["strategy.ddp.first_bucket_cap_mb=1"]),
+        ("bucket 25, first 1 MiB (default)", []),
         ("bucket 4, first 1 MiB", ["strategy.ddp.bucket_cap_mb=4", "strategy.ddp.first_bucket_cap_mb=1"]),
     ],
     "unused": [
