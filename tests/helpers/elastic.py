@@ -44,9 +44,11 @@ for epoch in session.epochs():
         step = session.step_count + 1
         with session.accumulate(model):
             session.backward(torch.nn.functional.mse_loss(model(xb), yb))
-        log.write(json.dumps({"step": step, "epoch": epoch, "world": session.world_size, "start": start,
-                              "samples": index.tolist(), "time": time.time()}) + "\\n")
-        log.flush()
+            # Written once this rank's gradients are all-reduced, before the step that a peer may
+            # checkpoint at: a kill between the two must not lose the samples of a saved step.
+            log.write(json.dumps({"step": step, "epoch": epoch, "world": session.world_size, "start": start,
+                                  "samples": index.tolist(), "time": time.time()}) + "\\n")
+            log.flush()
         if session.sync_gradients:
             time.sleep(pause)
 state = {k: v.detach().cpu() for k, v in session.model_state_dict().items()}
