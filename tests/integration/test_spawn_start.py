@@ -39,8 +39,12 @@ def test_each_process_sees_the_caller_s_environment_and_directory_at_the_call(tm
 
 
 def say_hello() -> None:
-    print(f"hello from rank {os.environ['RANK']}", flush=True)
-    print(f"warning from rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+    # One write per line: under PYTHONUNBUFFERED (as CI may set) print() writes the text and its
+    # newline separately, and two ranks' halves then interleave on the shared descriptor.
+    rank = os.environ["RANK"]
+    for stream, word in ((sys.stdout, "hello"), (sys.stderr, "warning")):
+        stream.write(f"{word} from rank {rank}\n")
+        stream.flush()
 
 
 @pytest.mark.timeout(120)
