@@ -22,6 +22,8 @@ import json, os, sys, time
 began = time.time()
 import torch
 import phalanx
+from phalanx.faults.markers import RESIZE_REQUEST
+from phalanx.topology import LaunchContext
 
 records = sys.argv[1]
 session = phalanx.Session()
@@ -36,6 +38,9 @@ set_up = time.time()
 model, optimizer, loader = session.setup(model, optimizer, loader)
 start = session.step_count  # the step this attempt resumed at
 pause = float(os.environ.get("ELASTIC_STEP_PAUSE", "0"))
+hold = int(os.environ.get("ELASTIC_HOLD_AT", "0"))
+context = LaunchContext.from_env()
+request = os.path.join(context.run_dir, RESIZE_REQUEST) if context and context.run_dir else ""
 log = open(os.path.join(records, f"rank{session.rank}-pid{os.getpid()}.jsonl"), "a")
 log.write(json.dumps({"meta": True, "began": began, "set_up": set_up, "resumed": time.time(), "start": start,
                       "world": session.world_size}) + "\\n")
@@ -51,6 +56,13 @@ for epoch in session.epochs():
             log.flush()
         if session.sync_gradients:
             time.sleep(pause)
+            # Alone at the hold step: wait for the other node to be waiting to join, so that a slow
+            # start of that node cannot let this one finish the job first.
+            deadline = time.monotonic() + 120
+            while step == hold and session.world_size == 1 and not os.path.exists(request):
+                if time.monotonic() > deadline:
+                    break  # the test then fails on what it checks, instead of hanging
+                time.sleep(0.05)
 state = {k: v.detach().cpu() for k, v in session.model_state_dict().items()}
 if session.is_main:
     torch.save(state, os.path.join(records, "final.pt"))
@@ -79,9 +91,12 @@ def write(tmp: Path, strategy: str) -> Path:
 
 class Node:
     """One ``phalanx launch`` of an elastic job (``span``: MIN:MAX), in its own process group and
-    tagged, so that every process it starts can be found."""
+    tagged, so that every process it starts can be found. ``hold``: the step at which this node's
+    process, while it trains alone, waits for another node to ask to join."""
 
-    def __init__(self, tmp: Path, port: int, name: str, *, span: str = "1:2", pause: float = 0.08, **settings):
+    def __init__(
+        self, tmp: Path, port: int, name: str, *, span: str = "1:2", pause: float = 0.08, hold: int = 0, **settings
+    ):
         launch = {"node_timeout": 3, "late_node_wait": 1, "rendezvous_timeout": 30, **settings}
         sets = [arg for key, value in launch.items() for arg in ("--set", f"launch.{key}={value}")]
         endpoint = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test"]
@@ -95,7 +110,7 @@ class Node:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
-            env={**os.environ, **self.tag, "ELASTIC_STEP_PAUSE": str(pause)},
+            env={**os.environ, **self.tag, "ELASTIC_STEP_PAUSE": str(pause), "ELASTIC_HOLD_AT": str(hold)},
         )
 
     def output(self) -> str:

@@ -74,8 +74,9 @@ def _check_training(tmp: Path, reference: dict, *, finished_on: int, recomputed_
 
 def _start_pair(tmp: Path, port: int, **settings) -> tuple[elastic.Node, elastic.Node]:
     """Node a hosts the rendezvous (the node that must stay); b joins it at once (should b come
-    later than late_node_wait, it joins the running job instead: slower, not wrong)."""
-    a = elastic.Node(tmp, port, "a", **{"late_node_wait": 3, **settings})
+    later than late_node_wait, it joins the running job instead: slower, not wrong, and a waits
+    for it at step 3 rather than finish alone)."""
+    a = elastic.Node(tmp, port, "a", hold=3, **{"late_node_wait": 3, **settings})
     elastic.wait_listening(port, 60)
     return a, elastic.Node(tmp, port, "b", **{"late_node_wait": 3, **settings})
 
@@ -102,11 +103,11 @@ def test_node_killed_mid_epoch_the_survivor_finishes_alone(tmp_path, reference):
 
 def test_node_joins_a_running_job_at_a_save_it_triggers(tmp_path, reference):
     def scenario(tmp: Path, strategy: str, port: int) -> None:
-        a = elastic.Node(tmp, port, "a", pause=0.3)  # slow enough steps for b to start before the end
+        a = elastic.Node(tmp, port, "a", hold=8)  # however slowly b starts, a cannot finish before it asks to join
         b = None
         try:
             elastic.wait_for_step(tmp, 6, 120, nodes=(a,))
-            b = elastic.Node(tmp, port, "b", pause=0.3)
+            b = elastic.Node(tmp, port, "b")
             assert a.wait(150) == 0, a.output()
             assert b.wait(30) == 0, b.output()
             assert a.gone_within(5) == [] and b.gone_within(5) == []
