@@ -136,7 +136,7 @@ def test_iterable_datasets_are_used_as_built():
 # -- prefetch ordering, with the stream operations abstracted ---------------------------------------
 def test_staged_without_ahead_copies_each_batch_when_asked():
     log: list = []
-    for batch, handle in staged(iter([(torch.tensor([i]),) for i in range(3)]), Recorder(log), ahead=False):
+    for handle in staged(iter([(torch.tensor([i]),) for i in range(3)]), Recorder(log), ahead=False):
         log.append(("use", int(handle[0][0])))
     assert log == [("start", 0), ("use", 0), ("start", 1), ("use", 1), ("start", 2), ("use", 2)]
 
@@ -150,8 +150,8 @@ def test_staged_ahead_starts_the_next_copy_before_handing_out_the_current_batch(
             yield (torch.tensor([i]),)
 
     got = []
-    for batch, handle in staged(source(), Recorder(log), ahead=True):
-        log.append(("use", int(batch[0][0])))
+    for handle in staged(source(), Recorder(log), ahead=True):
+        log.append(("use", int(handle[0][0])))
         got.append(int(handle[0][0]))
     assert got == [0, 1, 2]
     assert log == [
@@ -160,6 +160,11 @@ def test_staged_ahead_starts_the_next_copy_before_handing_out_the_current_batch(
         ("use", 2),
     ]  # fmt: skip
     assert list(staged(iter([]), Recorder([]), ahead=True)) == []
+
+
+def test_staged_hands_a_cpu_batch_through_untouched():
+    batches = iter([(torch.tensor([0]),)])
+    assert staged(batches, PlainTransfer(CPU, non_blocking=False), ahead=False) is batches
 
 
 def test_cpu_loader_copies_in_line_as_before():

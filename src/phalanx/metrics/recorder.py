@@ -66,6 +66,7 @@ class StepRecorder:
     ):
         self.rank = topology.rank
         self.device = topology.device
+        self._on_cuda = self.device.type == "cuda"
         self.enabled = enabled
         self.records: deque[dict[str, Any]] = deque(maxlen=_KEPT)
         self.flops_per_sample: float | None = None
@@ -157,7 +158,7 @@ class StepRecorder:
                     grad_norm,
                     self.noise_taken,  # the estimates in so far: its value is found at the flush
                     self.noise_estimated,
-                    self._peak_memory(),
+                    self._peak_memory() if self._on_cuda or self.cpu_peak is not None else None,
                 )
             )
         if len(self._pending) >= _FLUSH_STEPS or now - self._flushed >= _FLUSH_S:

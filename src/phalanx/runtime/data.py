@@ -31,6 +31,7 @@ from phalanx.util.tree import NotConcatenable, concat_batches, layout, map_tenso
 # `data.num_workers: auto` never goes above this: each worker holds its own copy of the dataset
 # object, and past a handful of workers most loaders are no longer the bottleneck.
 MAX_AUTO_WORKERS = 8
+_END = object()  # the end of a pass, where a batch may be anything, None included
 
 
 class ShardedSampler(Sampler[int]):
@@ -238,6 +239,8 @@ class DeviceLoader:
             self.on_iterating(self)
         # Positions, callbacks and waits count batches handed to the user, not batches fetched ahead.
         arriving = staged(batches, self.transfer, ahead=self.fetch_ahead)
+        # A plain copy's handle is the batch itself: no call per batch to say so.
+        ready = None if isinstance(self.transfer, PlainTransfer) else self.transfer.ready
         unjoined: deque[Any] = deque()  # taken to join, but shaped unlike the first: one forward each
         self.passing += 1
         try:
@@ -245,10 +248,10 @@ class DeviceLoader:
                 if unjoined:
                     out = unjoined.popleft()
                 else:
-                    nxt = next(arriving, None)
-                    if nxt is None:
+                    nxt = next(arriving, _END)
+                    if nxt is _END:
                         return
-                    out = self.transfer.ready(nxt[1])
+                    out = nxt if ready is None else ready(nxt)
                 if self.stop_when is not None and self.stop_when():
                     return  # the pass ends as at the end of an epoch, so the script's own code after it runs
                 taken = 1
@@ -256,7 +259,7 @@ class DeviceLoader:
                 shape = self._joinable(out) if wanted > 1 else None
                 if shape is not None:
                     # The next batches of this pass join this one (fewer where the pass ends first).
-                    rest = [self.transfer.ready(h) for _, h in itertools.islice(arriving, wanted - 1)]
+                    rest = [h if ready is None else ready(h) for h in itertools.islice(arriving, wanted - 1)]
                     if same_layout(shape, rest):
                         out, taken = concat_batches([out, *rest]), 1 + len(rest)
                     else:

@@ -6,6 +6,7 @@ optimizer step, so any torch scheduler (chainable or closed-form) keeps seeing i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ class LRScaling:
     warmup_steps: int = 0
     warmup_start_factor: float | None = None
 
-    @property
+    @functools.cached_property  # read at every optimizer step; the fields are frozen
     def scale(self) -> float:
         ratio = self.global_batch_size / self.reference_batch_size
         if self.rule == "linear":

@@ -67,14 +67,13 @@ def track(
     show: bool,
     loss: Callable[[], float | None],
     meter: Throughput,
-    joined: Callable[[], int] = lambda: 1,
+    joined: Callable[[], int] | None = None,
 ) -> Iterator[Any]:
     """Yield from ``batches``, counting samples and data waits into ``meter`` and drawing a bar when ``show``.
-    ``joined``: how many of the loader's batches the one just yielded holds (batch.adaptive joins them)."""
+    ``joined``: how many of the loader's batches the one just yielded holds (batch.adaptive joins them;
+    None: always one)."""
     if not show:
-        for batch in _timed(batches, meter):
-            yield batch
-            meter.add(samples_per_batch * joined())
+        yield from _timed(batches, meter, samples_per_batch, joined, None)
         meter.stop()
         return
 
@@ -106,13 +105,15 @@ def track(
     with Progress(*columns, console=console, refresh_per_second=1 / _REFRESH_S) as bar:
         task = bar.add_task(description, total=total, status="")
         last = 0.0
-        for batch in _timed(batches, meter):
-            yield batch
-            meter.add(samples_per_batch * joined())
+
+        def maybe_redraw() -> None:
+            nonlocal last
             now = time.perf_counter()
             if now - last >= _REFRESH_S:
                 last = now
                 _redraw(bar, task, meter, samples_per_batch, loss)
+
+        yield from _timed(batches, meter, samples_per_batch, joined, maybe_redraw)
         meter.stop()
         status = _redraw(bar, task, meter, samples_per_batch, loss)
     if console.file is not stream:
@@ -133,17 +134,29 @@ def _redraw(bar: Any, task: Any, meter: Throughput, per_batch: int, loss: Callab
     return status
 
 
-def _timed(batches: Iterable[Any], meter: Throughput) -> Iterator[Any]:
-    """``batches``, timing how long each one takes to arrive once the loop asks for it."""
+def _timed(
+    batches: Iterable[Any],
+    meter: Throughput,
+    per_batch: int,
+    joined: Callable[[], int] | None,
+    after: Callable[[], None] | None,
+) -> Iterator[Any]:
+    """``batches``, timing how long each one takes to arrive once the loop asks for it and counting
+    its samples once the loop is done with it; then ``after``. One generator for all of it: this
+    runs once per batch, and each layer of generators costs the step a resumption."""
     iterator = iter(batches)
+    clock = time.perf_counter
     while True:
-        asked = time.perf_counter()
+        asked = clock()
         try:
             batch = next(iterator)
         except StopIteration:
             return
-        meter.waited(time.perf_counter() - asked)
+        meter.waited(clock() - asked)
         yield batch
+        meter.add(per_batch * joined() if joined is not None else per_batch)
+        if after is not None:
+            after()
 
 
 def _count(meter: Throughput, per_batch: int) -> int:

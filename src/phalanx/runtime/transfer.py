@@ -8,7 +8,7 @@ before the batch is handed out. See docs/data.md#input-pipeline.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -36,10 +36,10 @@ class PlainTransfer:
         self.non_blocking = non_blocking
         # A CPU run's batches are on the CPU already (a loader's tensors are host tensors), and
         # walking each batch to call a no-op .to() costs microseconds per step.
-        self._moves = device.type != "cpu"
+        self.moves = device.type != "cpu"
 
     def start(self, batch: Any) -> Any:
-        return to_device(batch, self.device, self.non_blocking) if self._moves else batch
+        return to_device(batch, self.device, self.non_blocking) if self.moves else batch
 
     def ready(self, handle: Any) -> Any:
         return handle
@@ -81,20 +81,25 @@ def _used_on(tensor: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
     return tensor
 
 
-def staged(batches: Iterable[Any], transfer: Transfer, *, ahead: bool) -> Iterator[tuple[Any, Any]]:
-    """``(host batch, transfer handle)`` pairs in the loader's order.
+def staged(batches: Iterator[Any], transfer: Transfer, *, ahead: bool) -> Iterator[Any]:
+    """The transfer handles of ``batches``, in the loader's order.
 
     With ``ahead``, batch k+1 is fetched and its copy started before batch k is handed out, so the
     copy overlaps batch k's compute; the loader is then always one batch further than the user.
-    Without, each batch is fetched and copied only when it is asked for.
+    Without, each batch is fetched and copied only when it is asked for: no generator of its own
+    (it would cost each step a resumption), and none at all where the copy is a no-op.
     """
     if not ahead:
-        for batch in batches:
-            yield batch, transfer.start(batch)
-        return
+        if isinstance(transfer, PlainTransfer) and not transfer.moves:
+            return batches
+        return map(transfer.start, batches)
+    return _ahead(batches, transfer)
+
+
+def _ahead(batches: Iterator[Any], transfer: Transfer) -> Iterator[Any]:
     waiting = None
     for batch in batches:
-        fetched = (batch, transfer.start(batch))
+        fetched = transfer.start(batch)
         if waiting is not None:
             yield waiting
         waiting = fetched

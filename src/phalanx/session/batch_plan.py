@@ -139,7 +139,8 @@ class BatchOwner:
     def step_multiplier(self, step: int) -> float:
         """What optimizer step ``step`` multiplies the lr by: the scaling rule's, times batch.adaptive's (or
         batch.schedule's) gain."""
-        return self.lr_multiplier(step) * (self._adaptive.gain if self._adaptive is not None else 1.0)
+        lr = self._lr_scaling.multiplier(step) if self._lr_scaling else 1.0  # lr_multiplier's, at every step
+        return lr * self._adaptive.gain if self._adaptive is not None else lr
 
     def micro_batches_per_forward(self) -> int:
         """batch.adaptive: the loader's micro-batches the next forward joins; never past the end of
@@ -200,23 +201,25 @@ class BatchOwner:
             self._noise.plan(self._plan)
             self._say_why_no_noise_scale()
 
-    def observe_loss(self, loss: torch.Tensor | float | None) -> None:
-        """The loss of the optimizer step just taken, before ``after_step``: batch.adaptive keeps a larger
-        batch only while the loss says it pays (batch_stall.py). A tensor is not read here: it is added up
-        on its device and read once per ``batch.adapt_every`` steps, at a choice."""
-        if self._adaptive is not None:
-            self._adaptive.observe_loss(loss)
-
     def after_step(
-        self, times: tuple[float, float] | None, estimated: bool, optimizers: list[torch.optim.Optimizer]
+        self,
+        loss: torch.Tensor | float | None,
+        times: tuple[float, float] | None,
+        estimated: bool,
+        optimizers: list[torch.optim.Optimizer],
     ) -> None:
-        """An optimizer step was taken in ``times`` (step, synchronising part): batch.adaptive may
-        re-choose, batch.schedule may grow."""
+        """An optimizer step was taken in ``times`` (step, synchronising part) with ``loss``: batch.adaptive
+        may re-choose, batch.schedule may grow. batch.adaptive keeps a larger batch only while the loss says
+        it pays (batch_stall.py); a tensor loss is not read here: it is added up on its device and read once
+        per ``batch.adapt_every`` steps, at a choice."""
+        if self._adaptive is None:
+            return
+        self._adaptive.observe_loss(loss)
         if isinstance(self._adaptive, ScheduledBatch):
             if self._adaptive.decide(self._state.step, None, is_adam(optimizers)):  # no noise scale asked
                 self._adapted()
             return
-        if self._adaptive is None or times is None:
+        if times is None:
             return
         self._adaptive.note(*times, estimated)
         # The estimate is read from the device only at the steps where batch.adaptive decides.

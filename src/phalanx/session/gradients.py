@@ -59,7 +59,7 @@ class GradientKeeping:
     def after_backward(self, window_ends: bool, clip: Callable[[float, nn.Module], object]) -> None:
         if not window_ends:
             self.held = [_has_gradients(model) for model in self.models]
-        elif self.manual and self.config.optim.max_grad_norm is not None:
+        elif self.config.optim.max_grad_norm is not None and self.manual:
             for model in self.models:  # before the script's update reads them
                 clip(self.config.optim.max_grad_norm, model)
 

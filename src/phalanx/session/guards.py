@@ -28,7 +28,7 @@ class PortingGuards:
         def zero_grad(set_to_none: bool = True) -> None:
             # Harmless at a global-batch boundary (gradients are already cleared); fatal when it
             # would drop the gradients of earlier micro-steps of this global batch.
-            if self.micro_steps_before() > 0 and not self.in_step:
+            if not self.in_step and self.micro_steps_before() > 0:
                 raise PhalanxError(
                     "optimizer.zero_grad() was called in the middle of an accumulation window and would drop "
                     "gradients; remove it: phalanx zeroes gradients after each optimizer step"

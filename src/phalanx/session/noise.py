@@ -46,10 +46,13 @@ class NoiseProbe:
         self.taken = 0  # estimating steps so far, read or not: a metrics record notes it
         self._after: dict[int, float | None] = {0: None}  # the value once the first n were read
         self._pending: dict[str, Any] | None = None  # a checkpoint's state, until the batch is planned
+        # Whether this run estimates at all: the Session skips the probe's per-step calls where not.
+        self.estimates = False
 
     def plan(self, batch: BatchPlan) -> None:
         """The batch sizes are known (or changed): choose where the small batch comes from."""
         self._estimate, self.why_not, self._source = None, None, None
+        self.estimates = False
         self._restart()
         if not self.settings.noise_scale:
             return
@@ -76,6 +79,7 @@ class NoiseProbe:
                 self.why_not = f"strategy {name} exposes no gradient over fewer samples than the global batch"
             return
         self._estimate = NoiseScale(small, batch.global_batch_size, self.settings.noise_scale_smoothing)
+        self.estimates = True
         if self._pending is not None:
             self._estimate.load_state_dict(self._pending)
             self._pending = None

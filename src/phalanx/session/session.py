@@ -374,7 +374,8 @@ class Session:
             wrapped.on_start = self._training_pass_starts
             wrapped.on_iterating = lambda _: self.state.restore_rng()
             self.state.add_loader(wrapped)
-            wrapped.stop_when = self._step_limit.reached
+            if self._step_limit.max_steps is not None:  # asked before every batch: not at all without a limit
+                wrapped.stop_when = self._step_limit.reached
         self._loaders.append(wrapped)
         self._roles.taken(wrapped, implicit=implicit, explicit=explicit)
         return wrapped
@@ -488,6 +489,8 @@ class Session:
         if description is None:
             description = f"epoch {self.epoch + 1}/{self.config.train.epochs}" if train else "eval"
         meter = Throughput()
+        # Only a loader that joins batches (batch.adaptive) hands out more than one at a time.
+        joins = isinstance(loader, DeviceLoader) and loader.group is not None
         try:
             total = len(loader)
         except TypeError:  # an IterableDataset without __len__
@@ -496,7 +499,7 @@ class Session:
             loader,
             total=total,
             samples_per_batch=per_rank * dp,
-            joined=(lambda: loader.last_group) if isinstance(loader, DeviceLoader) else (lambda: 1),
+            joined=(lambda: loader.last_group) if joins else None,
             description=description,
             show=self.is_main and self.config.train.progress,
             loss=self._loss_value if train else (lambda: None),
@@ -513,22 +516,23 @@ class Session:
     def _micro_step_starts(self, model: nn.Module) -> contextlib.AbstractContextManager | None:
         """``accumulate()``'s entry; returns the strategy's no_sync context of a micro-step that does
         not synchronise (None on the one that does)."""
-        if not self._recovery.resume_checked:
-            self._recovery.ensure_resumed()
-        self._recovery.flush()  # the save the last step asked for, now that its iteration is done
-        self._recovery.beat()
+        recovery = self._recovery
+        if not recovery.resume_checked:
+            recovery.ensure_resumed()
+        recovery.flush()  # the save the last step asked for, now that its iteration is done
+        recovery.beat()
         # A forward may hold several of the loader's micro-batches (batch.adaptive joins them):
         # micro-steps count micro-batches, so the window and the loss's share stay the plan's.
         self._forward_micro, self._joined_batch = self._joined_batch, 1
         self.state.micro += self._forward_micro
-        self.sync_gradients = self.state.micro >= self.accumulation_steps
+        self.sync_gradients = self.state.micro >= self._batch.accumulation_steps
         self._in_accumulate = True
         return None if self.sync_gradients else self.strategy.no_sync(model)
 
     def _micro_step_ends(self, failed: bool) -> None:
         self._in_accumulate = False
         if not failed and self.sync_gradients:
-            self.step()
+            self._step()  # step()'s checks hold here: the micro-step's start made them
 
     def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
         """``loss.backward()`` with the 1/accumulation_steps division (once) and fp16 loss scaling.
@@ -536,14 +540,15 @@ class Session:
         ``items``: ``loss`` is a mean over this many items (tokens, say ``(labels != -100).sum()``);
         the optimizer step's gradient is then the mean over every item of the global batch, across
         micro-steps and processes, and the reported loss is that mean too (session/items.py)."""
-        steps = self.accumulation_steps
+        steps = self._batch.accumulation_steps
         joined = self._forward_micro if self._in_accumulate else 1
         if steps > 1 and not self._in_accumulate:
             raise PhalanxError(
                 f"accumulation_steps is {steps}: "
                 "put the forward and session.backward(loss) inside `with session.accumulate(model):`"
             )
-        self._recovery.refuse_late_resume("session.backward()")
+        if not self._recovery.resume_checked:
+            self._recovery.refuse_late_resume("session.backward()")
         if not self._in_accumulate:
             self._recovery.flush()
         weighted = items is not None
@@ -561,7 +566,9 @@ class Session:
         self._gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and not first)
         where = (self.state.step, first, joined, steps, self.sync_gradients)
         noise = self._batch.noise
-        noise.before_backward(*where)
+        estimates = noise.estimates  # the probe's calls are skipped, not only empty, where it never measures
+        if estimates:
+            noise.before_backward(*where)
         if weighted:
             scaled = self._items.scaled_loss(loss, items, steps)
             if self.sync_gradients:
@@ -571,7 +578,8 @@ class Session:
         else:
             # The mean over `joined` micro-batches is `joined` of the step's 1/steps shares.
             self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
-        noise.after_backward(*where, self.precision.scaler, self._items.mean_factor if weighted else None)
+        if estimates:
+            noise.after_backward(*where, self.precision.scaler, self._items.mean_factor if weighted else None)
         self._gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
         if self._memory_cap is not None:
             self._memory_cap.check()
@@ -592,7 +600,8 @@ class Session:
 
     def step(self) -> None:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
-        self._recovery.refuse_late_resume("session.step()")
+        if not self._recovery.resume_checked:
+            self._recovery.refuse_late_resume("session.step()")
         if self._in_accumulate:
             raise PhalanxError(
                 "session.step() was called inside `with session.accumulate(model):`, whose end steps already "
@@ -600,31 +609,38 @@ class Session:
                 "session.step() without the block"
             )
         self._recovery.flush()
-        self._loop.before_step(self.accumulation_steps, self._models)
-        self._guards.check_schedulers()
-        estimated = self.metrics.noise_estimated = self.noise.measuring(self.state.step)
-        if self.config.optim.max_grad_norm is not None and self._gradients.clips_at_step():
+        self._step()
+
+    def _step(self) -> None:
+        """The step itself, after step()'s checks. It runs at every optimizer step: the collaborators
+        with nothing to do in a run (no scheduler, no noise probe) are not called at all."""
+        state, batch, guards, noise = self.state, self._batch, self._guards, self._batch.noise
+        self._loop.before_step(batch.accumulation_steps, self._models)
+        schedulers = guards.schedulers
+        if schedulers:
+            guards.check_schedulers()
+        estimated = self.metrics.noise_estimated = noise.estimates and noise.measuring(state.step)
+        max_norm = self.config.optim.max_grad_norm
+        if max_norm is not None and self._gradients.clips_at_step():
             for model in self._models:  # each model's norm separately
-                self.clip_grad_norm_(self.config.optim.max_grad_norm, model)
-        multiplier = self._batch.step_multiplier(self.state.step)
+                self.clip_grad_norm_(max_norm, model)
+        multiplier = batch.step_multiplier(state.step)
         lr = self._optimizers[0].param_groups[0]["lr"] * multiplier if self._optimizers else None
-        self._guards.in_step = True
+        guards.in_step = True
         try:
-            stepped = self._optimizer_step(multiplier)
+            # The default multiplier (1) has no lr to set and restore.
+            stepped = self.precision.step(self._optimizers) if multiplier == 1.0 else self._optimizer_step(multiplier)
             if stepped:
                 self._loop.at_step()
-                self.state.step += 1
-                schedulers = self._guards.schedulers
+                state.step += 1
                 if schedulers:
                     self._step_schedulers(schedulers)
-                self._guards.mark_schedulers()
+                    guards.mark_schedulers()
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
             self._gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
-            self.metrics.noise_taken = self.noise.taken
-            self.metrics.record(
-                stepped, self.state.step, self.epoch, self._batch.global_batch_size, self._last_loss, lr
-            )
+            self.metrics.noise_taken = noise.taken
+            self.metrics.record(stepped, state.step, state.epoch, batch.global_batch_size, self._last_loss, lr)
         finally:
             self._guards.in_step = False
             self.state.micro = 0
@@ -635,15 +651,12 @@ class Session:
         if stepped and self.state.step % ITEMS_CHECK_EVERY == 0:
             self._items.check()  # at the same step on every rank: each refuses the run alike
         if stepped:
-            self._batch.observe_loss(self._last_loss)  # batch.adaptive's check that a larger batch pays
-            self._batch.after_step(self.metrics.last_times, estimated, self._optimizers)
+            batch.after_step(self._last_loss, self.metrics.last_times, estimated, self._optimizers)
         self._recovery.after_step()
 
     def _optimizer_step(self, multiplier: float) -> bool:
         """Every optimizer's step at ``multiplier`` times its learning rate (the scaling rule's and
         batch.adaptive's); False when fp16's loss scaler skipped it."""
-        if multiplier == 1.0:  # the default: no lr to set and restore
-            return self.precision.step(self._optimizers)
         base = [[group["lr"] for group in opt.param_groups] for opt in self._optimizers]
         for opt in self._optimizers:
             for group in opt.param_groups:
