@@ -2,7 +2,8 @@
 
 A read (``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``.tolist()``, ``.cpu()``) makes the
 host wait for the device on a GPU. phalanx may read only at its documented read points, each at
-an interval and never per step: the metrics flush (every 50 steps or once a second), a redraw of
+an interval and never per step: the metrics flush (every 50 steps or once a second; its rows are
+read on the metrics thread, which the training thread never waits for), a redraw of
 the progress bar (4 a second), the ranks' agreement poll (about once a second), a batch.adaptive
 decision (every ``batch.adapt_every`` steps) and the check of token counts (every 50 steps).
 ``counting()`` wraps the read methods of ``torch.Tensor``; a read whose caller is a phalanx source
@@ -30,6 +31,7 @@ READS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
 # (file under src/phalanx, function): where phalanx reads on purpose; docs/performance.md lists them.
 READ_POINTS = {
     ("metrics/recorder.py", "StepRecorder.flush"),
+    ("metrics/rows.py", "RowWriter._write"),  # the flush's rows, on the metrics thread
     ("runtime/progress.py", "_redraw"),
     ("faults/agreement.py", "StepAgreement.poll"),
     ("session/batch_plan.py", "BatchOwner.after_step"),

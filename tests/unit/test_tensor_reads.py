@@ -48,7 +48,7 @@ def test_the_counter_sees_a_read_in_phalanx_and_not_one_in_the_test():
         float(torch.ones(()))  # the test's own read
         map_tensors([torch.ones(())], lambda t: t.item())  # the lambda is this file's: not counted
         assert not reads.stray
-        from phalanx.metrics import recorder
+        from phalanx.metrics import rows
 
-        recorder._read([torch.ones(())])  # phalanx's read, outside a flush
-    assert any(fn == "_read" for (_, _, fn, _) in reads.stray), reads.stray
+        rows.read_numbers([torch.ones(())])  # phalanx's read, outside a flush
+    assert any(fn == "read_numbers" for (_, _, fn, _) in reads.stray), reads.stray

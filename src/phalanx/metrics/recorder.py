@@ -3,13 +3,12 @@ TensorBoard scalars on rank 0, the profiler window and the FLOPs count for MFU.
 
 Loss and gradient norm stay tensors until a flush (every 50 steps or once a second, whichever
 comes first), so recording never makes the host wait for the device in the middle of a step; the
-flush reads them all at once.
+flush hands the records to a thread that reads them all at once and writes the rows (rows.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import deque
 from pathlib import Path
@@ -23,30 +22,10 @@ from phalanx.errors import ConfigError
 from phalanx.metrics.board import Board
 from phalanx.metrics.flops import count_on_first_forward, peak_flops_per_s
 from phalanx.metrics.profile import ProfileWindow, StepProfiler
+from phalanx.metrics.rows import NOISE, RowWriter
 from phalanx.metrics.summary import FLOPS_FILE, summarize
 from phalanx.topology import Topology
 
-_FIELDS = (
-    "rank",
-    "step",
-    "epoch",
-    "time",
-    "step_time",
-    "data_wait",
-    "sync_time",
-    "samples",
-    "samples_per_s",
-    "loss",
-    "lr",
-    "grad_norm",
-    "noise_scale",
-    "noise_estimated",
-    "peak_mem_bytes",
-)
-_LOSS, _LR, _GRAD_NORM = _FIELDS.index("loss"), _FIELDS.index("lr"), _FIELDS.index("grad_norm")
-_TENSOR_FIELDS = (_LOSS, _LR, _GRAD_NORM)  # a learning rate may be a tensor too
-_NOISE = _FIELDS.index("noise_scale")
-_MAYBE_NOT_FINITE = ("loss", "lr", "grad_norm", "noise_scale")
 _FLUSH_S = 1.0
 _FLUSH_STEPS = 50
 _KEPT = 10_000  # records kept in memory (``records``), the most recent ones
@@ -68,7 +47,7 @@ class StepRecorder:
         self.device = topology.device
         self._on_cuda = self.device.type == "cuda"
         self.enabled = enabled
-        self.records: deque[dict[str, Any]] = deque(maxlen=_KEPT)
+        self._records: deque[dict[str, Any]] = deque(maxlen=_KEPT)
         self.flops_per_sample: float | None = None
         self.peak_flops_per_s = peak_flops_per_s
         self._out_dir = out_dir
@@ -77,6 +56,7 @@ class StepRecorder:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(out_dir / f"rank{self.rank}.jsonl", "a", encoding="utf-8")  # a restarted rank appends
         self._board = board
+        self._rows = RowWriter(self._records, self._file, board)
         self._profiler = profiler
         self._summary_at_close = summary_at_close
         self._pending: list[tuple] = []
@@ -99,6 +79,12 @@ class StepRecorder:
         self._closed = False
         # Set by the Session under train.memory_cap on CPU: peak resident growth since it started.
         self.cpu_peak: Callable[[], int | None] | None = None
+
+    @property
+    def records(self) -> deque[dict[str, Any]]:
+        """The most recent step records (up to 10,000), every flushed one in."""
+        self._rows.drain()
+        return self._records
 
     # -- fed by the Session and its loaders --------------------------------------------------
     def add_wait(self, seconds: float) -> None:
@@ -141,7 +127,7 @@ class StepRecorder:
         step_time = now - (self._step_start if self._step_start is not None else self._created)
         self.last_times = (step_time, now - sync_start if sync_start is not None else 0.0)
         if self.enabled:
-            # A tuple in _FIELDS' order: the dict, and reading the tensors, wait for the flush.
+            # A tuple in rows.FIELDS' order: the dict, and reading the tensors, wait for the flush.
             self._pending.append(
                 (
                     self.rank,
@@ -176,29 +162,11 @@ class StepRecorder:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        values = _read([rec[i] for rec in pending for i in _TENSOR_FIELDS])
         noise: dict[int, float | None] = {}  # per count of estimates: few distinct ones per flush
-        if self.noise_scale is not None:
-            for taken in {rec[_NOISE] for rec in pending}:
+        if self.noise_scale is not None:  # read here: the probe's state is the training thread's
+            for taken in {rec[NOISE] for rec in pending}:
                 noise[taken] = self.noise_scale(taken)
-        rows = []
-        for rec in pending:
-            row = dict(zip(_FIELDS, rec))
-            row["loss"] = values.get(id(rec[_LOSS]), rec[_LOSS])
-            row["lr"] = values.get(id(rec[_LR]), rec[_LR])
-            row["grad_norm"] = values.get(id(rec[_GRAD_NORM]), rec[_GRAD_NORM])
-            row["noise_scale"] = noise.get(rec[_NOISE])
-            for key in _MAYBE_NOT_FINITE:
-                value = row[key]
-                if value is not None and not math.isfinite(value):
-                    row[key] = None  # JSON's null: strict readers take no NaN
-            rows.append(row)
-        self.records.extend(rows)
-        if self._file is not None:
-            self._file.write("".join(json.dumps(row) + "\n" for row in rows))
-            self._file.flush()
-        if self._board is not None:
-            self._board.write(rows)
+        self._rows.submit(pending, noise)
 
     def close(self) -> None:
         if self._closed:
@@ -206,11 +174,14 @@ class StepRecorder:
         self._closed = True
         if self._profiler is not None:
             self._profiler.close(self._last_step)
-        self.flush()
-        if self._file is not None:
-            self._file.close()
-        if self._board is not None:
-            self._board.close()
+        try:
+            self.flush()
+            self._rows.close()
+        finally:
+            if self._file is not None:
+                self._file.close()
+            if self._board is not None:
+                self._board.close()
         if self._summary_at_close:
             summary = summarize({self.rank: list(self.records)}, self._flops_facts())
             if summary is not None:
@@ -275,31 +246,3 @@ def create_recorder(config: Config, topology: Topology, run_dir: str | None, *, 
         peak_flops_per_s=peak,
         summary_at_close=train.metrics and root is None and topology.world_size == 1,
     )
-
-
-def _read(values: list[Any]) -> dict[int, Any]:
-    """The tensors among ``values`` as numbers, by id: one read of the device for all the
-    one-element tensors of a device and dtype (the host waits once per flush)."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    out: dict[int, Any] = {}
-    for value in values:
-        if not isinstance(value, torch.Tensor) or id(value) in out:
-            continue
-        if hasattr(value, "to_local"):  # a DTensor: reading it whole would be a collective
-            value_local = value.to_local()
-            out[id(value)] = value_local.item() if value_local.numel() == 1 else None
-        elif value.numel() != 1:
-            out[id(value)] = None
-        else:
-            out[id(value)] = None  # until read below
-            groups.setdefault((value.device, value.dtype, value.dim()), []).append(value)
-    with torch.no_grad():
-        for group in groups.values():
-            try:
-                stacked = torch.stack(group if group[0].dim() == 0 else [t.reshape(()) for t in group])
-                numbers = stacked.tolist()
-            except RuntimeError:  # a tensor that cannot be stacked (another layout): left as None
-                continue
-            for tensor, number in zip(group, numbers):
-                out[id(tensor)] = number
-    return out
