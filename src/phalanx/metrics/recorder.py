@@ -56,7 +56,7 @@ class StepRecorder:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(out_dir / f"rank{self.rank}.jsonl", "a", encoding="utf-8")  # a restarted rank appends
         self._board = board
-        self._rows = RowWriter(self._records, self._file, board)
+        self._rows = RowWriter(self._records, self._file, board, self.device)
         self._profiler = profiler
         self._summary_at_close = summary_at_close
         self._pending: list[tuple] = []

@@ -10,6 +10,7 @@ flushes; ``drain()`` waits for every row handed over so far, and re-raises what 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections import deque
@@ -44,8 +45,9 @@ _MAYBE_NOT_FINITE = ("loss", "lr", "grad_norm", "noise_scale")
 
 
 class RowWriter:
-    def __init__(self, records: deque, file: IO[str] | None, board: Board | None):
+    def __init__(self, records: deque, file: IO[str] | None, board: Board | None, device: torch.device):
         self.records = records  # the recorder's: the most recent rows, in memory
+        self._cuda = device if device.type == "cuda" else None
         self._file = file
         self._board = board
         self._pool: ThreadPoolExecutor | None = None  # started at the first flush with records
@@ -58,7 +60,10 @@ class RowWriter:
             self._last.result()  # an error writing the last flush surfaces at the next one
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-metrics")
-        self._last = self._pool.submit(self._write, pending, noise)
+        # A thread starts on the default stream: the read must queue behind the training thread's
+        # kernels, on the stream they ran on.
+        stream = torch.cuda.current_stream(self._cuda) if self._cuda is not None else None
+        self._last = self._pool.submit(self._write, pending, noise, stream)
 
     def drain(self) -> None:
         """Wait until every row handed over is in ``records`` and written."""
@@ -74,8 +79,9 @@ class RowWriter:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
-    def _write(self, pending: list[tuple], noise: dict[int, float | None]) -> None:
-        values = read_numbers([rec[i] for rec in pending for i in _TENSOR_FIELDS])
+    def _write(self, pending: list[tuple], noise: dict[int, float | None], stream: Any = None) -> None:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            values = read_numbers([rec[i] for rec in pending for i in _TENSOR_FIELDS])
         rows = []
         for rec in pending:
             row = dict(zip(FIELDS, rec))

@@ -532,7 +532,9 @@ class Session:
     def _micro_step_ends(self, failed: bool) -> None:
         self._in_accumulate = False
         if not failed and self.sync_gradients:
-            self._step()  # step()'s checks hold here: the micro-step's start made them
+            if not self._recovery.resume_checked:
+                self._recovery.refuse_late_resume("session.step()")
+            self._step()  # step()'s other checks hold here: the micro-step's start made them
 
     def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
         """``loss.backward()`` with the 1/accumulation_steps division (once) and fp16 loss scaling.

@@ -1,0 +1,70 @@
+"""The metrics thread (metrics/rows.py): rows in flush order, every flushed row in ``records`` when
+asked, and an error writing them raised on the training thread, at the next flush or at close."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phalanx.metrics.rows import FIELDS, RowWriter
+
+
+def _records(steps: range) -> list[tuple]:
+    rows = []
+    for s in steps:
+        row = {**dict.fromkeys(FIELDS), "step": s, "loss": torch.tensor(float(s)), "lr": 0.1, "noise_estimated": False}
+        rows.append(tuple(row[f] for f in FIELDS))
+    return rows
+
+
+@settings(max_examples=25, deadline=None)
+@given(flush_sizes=st.lists(st.integers(1, 7), min_size=1, max_size=8))
+def test_rows_keep_their_order_and_read_the_losses(flush_sizes, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rows") / "rank0.jsonl"
+    records: deque = deque()
+    with open(path, "w", encoding="utf-8") as file:
+        writer = RowWriter(records, file, None, torch.device("cpu"))
+        start = 0
+        for size in flush_sizes:
+            writer.submit(_records(range(start, start + size)), {})
+            start += size
+        writer.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row["step"] for row in lines] == list(range(start))
+    assert [row["loss"] for row in lines] == [float(s) for s in range(start)]
+    assert list(records) == lines
+
+
+class _Broken:
+    def write(self, text: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_write_error_reaches_the_training_thread():
+    writer = RowWriter(deque(), _Broken(), None, torch.device("cpu"))
+    writer.submit(_records(range(3)), {})
+    with pytest.raises(OSError, match="No space left"):
+        writer.drain()
+    writer.close()
+
+
+def test_rows_are_written_off_the_calling_thread():
+    seen: list[str] = []
+
+    class Recording(_Broken):
+        def write(self, text: str) -> None:
+            seen.append(threading.current_thread().name)
+
+    writer = RowWriter(deque(), Recording(), None, torch.device("cpu"))
+    writer.submit(_records(range(2)), {})
+    writer.close()
+    assert seen and all(name.startswith("phalanx-metrics") for name in seen)
