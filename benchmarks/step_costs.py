@@ -9,12 +9,22 @@ feature costs is the defaults' step minus the step without it; what is left with
 is the Session's bookkeeping itself (the porting guards, the step agreement, the calls).
 
     .venv/bin/python benchmarks/step_costs.py --rounds 7      # about 2 min on 2 cores
+
+``--phalanx NAME=SRC`` (repeatable) compares versions of phalanx instead: the raw loop and the
+defaults under each version's source (first on PYTHONPATH), each in a process of its own,
+alternating launch by launch; a launch's figure is its *mean* step, which counts the steps that
+flush the metrics (a median would leave them out).
+
+    git worktree add /tmp/before <rev>
+    .venv/bin/python benchmarks/step_costs.py --phalanx before=/tmp/before/src --phalanx now=src --rounds 6
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +61,7 @@ def _data(steps: int) -> TensorDataset:
     return TensorDataset(x, torch.randint(0, 10, (BATCH * steps,), generator=g))
 
 
-def raw(data: TensorDataset, skip: int) -> float:
+def raw(data: TensorDataset, skip: int, stat=statistics.median) -> float:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     times, last = [], time.perf_counter()
@@ -62,10 +72,10 @@ def raw(data: TensorDataset, skip: int) -> float:
         now = time.perf_counter()
         times.append(now - last)
         last = now
-    return statistics.median(times[skip:])
+    return stat(times[skip:])
 
 
-def with_phalanx(data: TensorDataset, skip: int, sections: dict, run_dir: Path) -> float:
+def with_phalanx(data: TensorDataset, skip: int, sections: dict, run_dir: Path, stat=statistics.median) -> float:
     session = phalanx.Session(**{**sections, "launch": {"run_dir": str(run_dir)}})
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -78,14 +88,65 @@ def with_phalanx(data: TensorDataset, skip: int, sections: dict, run_dir: Path) 
         times.append(now - last)
         last = now
     session.close()
-    return statistics.median(times[skip:])
+    return stat(times[skip:])
+
+
+def _version_worker(contender: str, steps: int) -> None:
+    """One launch of ``--phalanx``: the mean step of ``contender`` (raw or defaults), printed in us."""
+    torch.set_num_threads(1)
+    data, skip = _data(steps), steps // 10
+    with tempfile.TemporaryDirectory(prefix="phalanx-step-costs-") as tmp:
+        if contender == "raw":
+            mean = raw(data, skip, statistics.fmean)
+        else:
+            mean = with_phalanx(data, skip, {}, Path(tmp) / "run", statistics.fmean)
+    print(f"mean-step-us {mean * 1e6:.3f}")
+
+
+def compare_versions(versions: dict[str, str], rounds: int, steps: int) -> int:
+    launches = [(name, src, contender) for name, src in versions.items() for contender in ("raw", "defaults")]
+    means: dict[tuple[str, str], list[float]] = {(name, c): [] for name, _, c in launches}
+    for r in range(rounds):
+        for name, src, contender in launches if r % 2 == 0 else launches[::-1]:
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--steps", str(steps)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            found = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("mean-step-us ")]
+            if out.returncode != 0 or not found:
+                print(f"{name} {contender}: failed (exit {out.returncode}): {out.stderr.strip()[-500:]}")
+                return 1
+            means[(name, contender)].append(float(found[0]))
+    print(f"MLP 2x{WIDTH}, batch {BATCH}, 1 thread; {rounds} rounds of {steps} steps; mean step per launch, medians")
+    print()
+    print("| version | raw loop, us per step | phalanx defaults, us per step | phalanx's own cost |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in versions:
+        raw_us = statistics.median(means[(name, "raw")])
+        ours = statistics.median(means[(name, "defaults")])
+        print(f"| {name} | {raw_us:.1f} | {ours:.1f} | {ours - raw_us:+.1f} us ({ours / raw_us:.3f}x) |")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument(
+        "--phalanx",
+        action="append",
+        metavar="NAME=SRC",
+        help="compare phalanx versions: NAME and the directory that holds its `phalanx` package (repeat)",
+    )
+    parser.add_argument("--worker", choices=("raw", "defaults"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        _version_worker(args.worker, args.steps)
+        return 0
+    if args.phalanx:
+        bad = [v for v in args.phalanx if "=" not in v or not Path(v.split("=", 1)[1], "phalanx").is_dir()]
+        if bad:
+            parser.error(f"--phalanx {bad[0]}: give NAME=SRC, SRC a directory that holds a phalanx package")
+        return compare_versions(dict(v.split("=", 1) for v in args.phalanx), args.rounds, args.steps)
     torch.set_num_threads(1)  # one thread: less noise from the other core's load
     data, skip = _data(args.steps), args.steps // 10
     medians: dict[str, list[float]] = {"raw loop": [], **{name: [] for name in VARIANTS}}
