@@ -55,7 +55,9 @@ def test_launch_profiles_the_chosen_ranks(tmp_path):
         assert "traceEvents" in json.loads((run_dir / "profile" / f"rank{rank}.json").read_text())
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
         assert f"phalanx: profile of steps 2-3 on rank {rank}: {run_dir / 'profile' / f'rank{rank}.json'}" in log
-    assert "phalanx: top 10 operators by self CPU time" in result.stdout and "aten::addmm" in result.stdout
+    # The model's matrix products, forward or backward: aten::addmm alone ranks about 10th of the
+    # table, where any other thread's operator (the metrics thread's read) can push it out.
+    assert "phalanx: top 10 operators by self CPU time" in result.stdout and "addmm" in result.stdout.lower()
     assert (
         f"phalanx: profile traces: {run_dir / 'profile' / 'rank0.json'}, {run_dir / 'profile' / 'rank1.json'}"
         in result.stdout

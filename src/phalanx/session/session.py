@@ -532,9 +532,7 @@ class Session:
     def _micro_step_ends(self, failed: bool) -> None:
         self._in_accumulate = False
         if not failed and self.sync_gradients:
-            if not self._recovery.resume_checked:
-                self._recovery.refuse_late_resume("session.step()")
-            self._step()  # step()'s other checks hold here: the micro-step's start made them
+            self.step()  # the public method: every optimizer step goes through it, as a wrapper of it expects
 
     def backward(self, loss: torch.Tensor, *, items: Any = None) -> None:
         """``loss.backward()`` with the 1/accumulation_steps division (once) and fp16 loss scaling.
