@@ -68,3 +68,25 @@ def test_rows_are_written_off_the_calling_thread():
     writer.submit(_records(range(2)), {})
     writer.close()
     assert seen and all(name.startswith("phalanx-metrics") for name in seen)
+
+
+def test_an_error_of_an_earlier_flush_is_not_lost_behind_a_later_one():
+    """The first flush fails while the second is queued behind it: the error still reaches the caller."""
+    queued = threading.Event()
+
+    class FailsOnce(_Broken):
+        calls = 0
+
+        def write(self, text: str) -> None:
+            FailsOnce.calls += 1
+            if FailsOnce.calls == 1:
+                queued.wait(timeout=30)  # still writing when the second flush is handed over
+                raise OSError(28, "No space left on device")
+
+    writer = RowWriter(deque(), FailsOnce(), None, torch.device("cpu"))
+    writer.submit(_records(range(2)), {})
+    writer.submit(_records(range(2, 4)), {})
+    queued.set()
+    with pytest.raises(OSError, match="No space left"):
+        writer.drain()
+    writer.close()

@@ -51,25 +51,24 @@ class RowWriter:
         self._file = file
         self._board = board
         self._pool: ThreadPoolExecutor | None = None  # started at the first flush with records
-        self._last: Future | None = None
+        self._writing: deque[Future] = deque()  # the flushes handed over and not yet checked, in order
 
     def submit(self, pending: list[tuple], noise: dict[int, float | None]) -> None:
         """A flush's records (tuples in FIELDS' order, tensors unread) and the noise scale per count of
         estimates; written in the background."""
-        if self._last is not None and self._last.done():
-            self._last.result()  # an error writing the last flush surfaces at the next one
+        while self._writing and self._writing[0].done():
+            self._writing.popleft().result()  # an error writing an earlier flush surfaces at this one
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-metrics")
         # A thread starts on the default stream: the read must queue behind the training thread's
         # kernels, on the stream they ran on.
         stream = torch.cuda.current_stream(self._cuda) if self._cuda is not None else None
-        self._last = self._pool.submit(self._write, pending, noise, stream)
+        self._writing.append(self._pool.submit(self._write, pending, noise, stream))
 
     def drain(self) -> None:
         """Wait until every row handed over is in ``records`` and written."""
-        if self._last is not None:
-            last, self._last = self._last, None
-            last.result()
+        while self._writing:
+            self._writing.popleft().result()
 
     def close(self) -> None:
         try:
