@@ -207,8 +207,9 @@ class StepRecorder:
         return facts
 
     def _peak_memory(self) -> int | None:
-        if self.device.type != "cuda":
-            return self.cpu_peak() if self.cpu_peak is not None else None
+        """Only where there is one to read: CUDA's allocator, or train.memory_cap's ``cpu_peak``."""
+        if not self._on_cuda:
+            return self.cpu_peak()
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)  # so the next record is that step's own peak
         return peak

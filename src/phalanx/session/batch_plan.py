@@ -139,7 +139,7 @@ class BatchOwner:
     def step_multiplier(self, step: int) -> float:
         """What optimizer step ``step`` multiplies the lr by: the scaling rule's, times batch.adaptive's (or
         batch.schedule's) gain."""
-        lr = self._lr_scaling.multiplier(step) if self._lr_scaling else 1.0  # lr_multiplier's, at every step
+        lr = self.lr_multiplier(step)
         return lr * self._adaptive.gain if self._adaptive is not None else lr
 
     def micro_batches_per_forward(self) -> int:

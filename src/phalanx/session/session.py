@@ -609,11 +609,8 @@ class Session:
                 "session.step() without the block"
             )
         self._recovery.flush()
-        self._step()
-
-    def _step(self) -> None:
-        """The step itself, after step()'s checks. It runs at every optimizer step: the collaborators
-        with nothing to do in a run (no scheduler, no noise probe) are not called at all."""
+        # Every optimizer step runs what follows: collaborators with nothing to do in a run (no
+        # scheduler, no noise probe) are not called at all.
         state, batch, guards, noise = self.state, self._batch, self._guards, self._batch.noise
         self._loop.before_step(batch.accumulation_steps, self._models)
         schedulers = guards.schedulers
