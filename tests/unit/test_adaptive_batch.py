@@ -14,6 +14,7 @@ from phalanx import Config, Session
 from phalanx.config.batch import BatchPlan
 from phalanx.errors import ConfigError
 from phalanx.session import adaptive
+from phalanx.session.step_times import StepTimes
 
 BASE = BatchPlan(global_batch_size=64, micro_batch_size=16, accumulation_steps=4, data_parallel_size=1)
 
@@ -21,11 +22,12 @@ BASE = BatchPlan(global_batch_size=64, micro_batch_size=16, accumulation_steps=4
 def test_the_choice_follows_the_noise_scale():
     # 1 ms per micro-step, 20 ms fixed per step: larger batches amortise the fixed part.
     candidates = [1, 2, 4, 8]
-    assert adaptive.choose(1, candidates, BASE, noise_scale=10_000.0, t_micro=1e-3, t_step=20e-3) == 8
+    times = StepTimes([1e-3, 20e-3])
+    assert adaptive.choose(1, candidates, BASE, noise_scale=10_000.0, times=times) == 8
     # A noise scale far below the batch: larger batches' samples do little work.
-    assert adaptive.choose(1, candidates, BASE, noise_scale=8.0, t_micro=1e-3, t_step=20e-3) == 1
+    assert adaptive.choose(1, candidates, BASE, noise_scale=8.0, times=times) == 1
     # Within the minimum gain the current multiple stays.
-    assert adaptive.choose(2, [1, 2], BASE, noise_scale=1e9, t_micro=1.0, t_step=0.0) == 2
+    assert adaptive.choose(2, [1, 2], BASE, noise_scale=1e9, times=StepTimes([1.0, 0.0])) == 2
 
 
 def test_the_learning_rate_gain():

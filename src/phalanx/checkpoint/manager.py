@@ -512,6 +512,11 @@ def _adaptive_state(value: Any, path: Path) -> dict[str, Any] | None:
         and isinstance(value.get("gain"), (int, float))
         and isinstance(value.get("history"), list)
         and (value.get("model") is None or isinstance(value.get("model"), (list, tuple)))
+        and isinstance(value.get("measured", []), list)
+        and all(
+            isinstance(m, (list, tuple)) and len(m) == 2 and all(isinstance(x, (int, float)) for x in m)
+            for m in value.get("measured", [])
+        )
     )
     if not ok:
         raise PhalanxError(

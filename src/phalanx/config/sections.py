@@ -141,7 +141,8 @@ class BatchConfig(Section):
         None,
         description=(
             "[seconds per micro-step, fixed seconds per optimizer step]: batch.adaptive's throughput model, given "
-            "instead of fitted to the run's step times, so its choices are reproducible (null: fitted)"
+            "instead of fitted to the run's step times and measured at each multiple, so its choices are "
+            "reproducible (null: fitted, then measured)"
         ),
     )
     adaptive_loss_check: bool = Field(

@@ -6,9 +6,9 @@ batch G0 (k = 1, 2, 4, ... up to ``batch.adaptive_max_global_batch``): the accum
 k times the starting ones, and a forward joins up to k of the loader's micro-batches as far as
 ``batch.max_micro_batch_size`` allows (without it the micro-batch stays, so does a step's memory). The
 choice maximises throughput(k) x efficiency(k G0), with efficiency(B) = 1 / (1 + B / B_noise) and
-throughput from a model of the step, k a0 micro-steps of t_micro each plus a fixed t_step, fitted to
-the run's step times at the first decision and kept from then on (so that a resumed run decides as
-the uninterrupted one did: its timing is not the same). The learning rate is multiplied by the
+throughput from the step time at k (step_times.py: a prior fitted to the first decision's steps,
+then the time measured at each multiple the run has trained at, kept in the checkpoint so that a
+resumed run decides from the timings the uninterrupted one had). The learning rate is multiplied by the
 AdaScale gain (Johnson et al. 2020) for SGD-family optimizers, r = (1 + B_noise/G0) / (1 + B_noise/G),
 and by its square root for Adam-family ones; the user's schedulers step k times per optimizer step,
 so a schedule keeps its meaning in samples seen. The choices are part of the checkpoint.
@@ -17,14 +17,14 @@ A larger batch must also pay in the run's own training loss (batch_stall.py): no
 loss is not measurably falling (a plateau, where the noise scale reads high but more steps are what
 pays), and a growth is on trial for two choices' worth of steps, after which it goes back to the
 previous multiple, held there for a while, when its progress per sample fell below half of what the
-noise scale predicted. The Session hands over each optimizer step's loss (``observe_loss``); it stays
+noise scale predicted; sooner, after its first window, when the measured step times there already
+give less goodput than before. The Session hands over each optimizer step's loss (``observe_loss``); it stays
 on the device until a choice reads a window's sum once.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
@@ -38,22 +38,26 @@ from phalanx.config.schema import Config
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import efficiency
 from phalanx.session.batch_stall import StallCheck
+from phalanx.session.step_times import StepTimes
 from phalanx.topology import Topology
 
 MIN_GAIN = 0.03  # a change must promise this much more goodput, or the batch stays
 
 
-def goodput(k: int, base: BatchPlan, noise_scale: float, t_micro: float, t_step: float) -> float:
-    """Predicted samples/s at multiple ``k`` of the starting plan, times their efficiency."""
-    seconds = k * base.accumulation_steps * t_micro + t_step
+def goodput(k: int, base: BatchPlan, noise_scale: float, seconds: float) -> float:
+    """Samples/s at multiple ``k`` of the starting plan, a step taking ``seconds``, times their efficiency."""
     return k * base.global_batch_size / seconds * efficiency(k * base.global_batch_size, noise_scale)
 
 
-def choose(
-    current: int, candidates: Iterable[int], base: BatchPlan, noise_scale: float, t_micro: float, t_step: float
-) -> int:
+def choose(current: int, candidates: Iterable[int], base: BatchPlan, noise_scale: float, times: StepTimes) -> int:
     """The multiple of the highest predicted goodput; the current one unless another beats it by MIN_GAIN."""
-    scored = {k: goodput(k, base, noise_scale, t_micro, t_step) for k in candidates}
+    scored = {}
+    for k in candidates:
+        seconds = times.seconds(k, base.accumulation_steps)
+        if seconds is not None:
+            scored[k] = goodput(k, base, noise_scale, seconds)
+    if not scored:
+        return current
     best = max(scored, key=scored.get)
     return best if scored[best] > scored.get(current, 0.0) * (1 + MIN_GAIN) else current
 
@@ -74,9 +78,7 @@ class AdaptiveBatch:
         self.base: BatchPlan | None = None  # the plan training started with
         self.k = 1
         self.gain = 1.0
-        given = config.batch.adaptive_step_times
-        # (t_micro, t_step): given, or fitted to the step times at the first decision
-        self.model: tuple[float, float] | None = tuple(given) if given else None
+        self.times = StepTimes(config.batch.adaptive_step_times)  # given, or fitted and measured (rank 0's)
         self.history: list[tuple[int, int]] = []  # (optimizer step, k) at every change
         self.on_change = None  # the Session's: apply the plan now in effect (also after a resume)
         self._times: deque[tuple[float, float, bool]] = deque(maxlen=config.batch.adapt_every)
@@ -132,22 +134,26 @@ class AdaptiveBatch:
             return False
         choice = self.k
         if self.topology.rank == 0:
-            if self.model is None:
-                self.model = _fit(list(self._times), self.base.accumulation_steps * self.k)
+            self.times.record(self.k, list(self._times), self.base.accumulation_steps * self.k)
             ruling, bound = self.stall.ruling(step, self.k)
+            if ruling == "trial":
+                slower = self._slower(noise_scale)
+                if slower is not None:
+                    ruling, bound = "back", self.stall.withdraw(slower)
             if ruling != "free":
                 choice = bound  # a growth on trial stays; a failed one goes back
-            elif self.model is not None:
+            else:
                 candidates = [c for c in self.candidates() if not bound or c <= bound]
-                choice = choose(self.k, candidates, self.base, noise_scale, *self.model)
+                choice = choose(self.k, candidates, self.base, noise_scale, self.times)
                 if choice > self.k and not self.stall.may_grow():
                     choice = self.k
                 if choice > self.k:
                     self.stall.grew(step, self.k, choice, self.base.global_batch_size, noise_scale)
         if self.topology.world_size > 1:
-            box = [choice, self.model, self.stall.decisions()]
+            box = [choice, self.times.state_dict(), self.stall.decisions()]
             dist.broadcast_object_list(box, src=0)
-            choice, self.model, decisions = box
+            choice, times, decisions = box
+            self.times.load_state_dict(times)
             self.stall.take(decisions)
         changed = choice != self.k
         self.k = choice
@@ -156,11 +162,29 @@ class AdaptiveBatch:
             self.history.append((step, self.k))
         return changed
 
+    def _slower(self, noise_scale: float) -> str | None:
+        """Why the growth on trial goes back at once: its measured steps give less goodput than the
+        multiple it grew from (the noise scale's efficiency weighing both); None while it pays or is
+        unmeasured."""
+        k0, k1 = self.stall.trial["from"], self.stall.trial["to"]
+        measured = self.times.measured
+        if k1 != self.k or k0 not in measured or k1 not in measured:
+            return None
+        before = goodput(k0, self.base, noise_scale, measured[k0])
+        after = goodput(k1, self.base, noise_scale, measured[k1])
+        if after >= before:
+            return None
+        speed = k1 * measured[k0] / (k0 * measured[k1])
+        return (
+            f"back from x{k1}: its steps gave {speed:.2f}x the samples/s of x{k0}, less than the "
+            f"{before / after * speed:.2f}x the noise scale says its samples' lesser progress needs"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "k": self.k,
             "gain": self.gain,
-            "model": self.model,
+            **self.times.state_dict(),
             "history": [list(h) for h in self.history],
             "stall": self.stall.state_dict(),
         }
@@ -169,29 +193,12 @@ class AdaptiveBatch:
         if not state:
             return
         self.k, self.gain = int(state["k"]), float(state["gain"])
-        self.model = tuple(state["model"]) if state["model"] is not None else None
+        self.times.load_state_dict(state)
         self.history = [tuple(h) for h in state["history"]]
         if state.get("stall") is not None:  # a checkpoint from before the loss check has none
             self.stall.load_state_dict(state["stall"])
         if self.on_change is not None and self.base is not None:
             self.on_change()
-
-
-def _fit(times: list[tuple[float, float, bool]], accumulation: int) -> tuple[float, float] | None:
-    """(t_micro, t_step) from the recent steps' (step time, synchronising time, estimated) at
-    ``accumulation`` micro-steps: the part before the synchronising micro-step is accumulation - 1
-    micro-steps; the synchronising one, its all-reduce and the optimizer step are the rest."""
-    steps = [t for t in times if not t[2]] or times
-    if len(steps) < 2:
-        return None
-    step_time = statistics.median(t[0] for t in steps)
-    sync = min(statistics.median(t[1] for t in steps), step_time)
-    if accumulation > 1:
-        t_micro = (step_time - sync) / (accumulation - 1)
-    else:
-        t_micro = step_time - sync  # the forward alone: a lower bound of a micro-step
-    t_micro = max(t_micro, 1e-9)
-    return t_micro, max(step_time - accumulation * t_micro, 0.0)
 
 
 def check(config: Config) -> None:

@@ -13,8 +13,10 @@ error, and a window's progress is the fall of the mean from the window before, p
   change; then the progress per sample of their last two (the fall per step / k1) is set against the
   progress per sample before the growth times what the noise scale predicted for it,
   efficiency(k1 G0) / efficiency(k0 G0). Below ``STALL`` of that, the batch goes back to k0;
-- **hold**: after going back, no choice may exceed k0 for ``HOLD`` choices, doubled with every back-off in
-  a row (a growth that passes its trial ends the row).
+- **cut short**: a growth whose first window's measured step times (step_times.py) already give less
+  goodput than the multiple it grew from goes back then, with neither a verdict nor a hold;
+- **hold**: after going back on the loss's verdict, no choice may exceed k0 for ``HOLD`` choices,
+  doubled with every back-off in a row (a growth that passes its trial ends the row).
 
 The losses are what the Session hands over at every optimizer step (``LossWindows.add``): tensors stay
 on the device, added up there, and are read once a window, at the choice (no read per step). Rank 0
@@ -131,6 +133,13 @@ class StallCheck:
         if self.cap is not None and step >= self.hold_until:
             self.cap = None
         return "free", self.cap or 0
+
+    def withdraw(self, why: str) -> int:
+        """The growth on trial goes back before its verdict, because its measured step times already say
+        it cannot pay; the multiple it grew from. No strike, no hold: the measured times keep the choices
+        that follow from it."""
+        k0, self.trial, self.why = self.trial["from"], None, why
+        return k0
 
     def may_grow(self) -> bool:
         """Whether a larger batch may be tried now: the loss is measurably falling (or no loss is handed over)."""
