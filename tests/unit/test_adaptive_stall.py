@@ -167,3 +167,36 @@ def test_a_non_finite_loss_leaves_its_window_unmeasured():
 
 def test_the_constants_are_what_the_docs_say():
     assert (batch_stall.STALL, batch_stall.Z, batch_stall.TRIAL, batch_stall.HOLD) == (0.5, 2.0, 2, 4)
+    assert batch_stall.SLOWING_FLOOR == 0.5
+
+
+def test_the_verdict_counts_the_slowing_the_smaller_batch_would_have_seen():
+    a = _adaptive()
+    # At x1 the fall halved from one window to the next (1.0, then 0.5): two windows on, x1 would
+    # have fallen 0.125 a window, and x2, at the noise scale's full promise, twice that.
+    a.stall.losses.closed = [[EVERY, 1, 3.0, 0.0], [2 * EVERY, 1, 2.0, 0.0], [3 * EVERY, 1, 1.5, 0.0]]
+    a.stall.losses.seen = True
+    assert a.stall.losses.slowing(EVERY) == pytest.approx(0.5)
+    a.stall.grew(3 * EVERY, 1, 2, BASE.global_batch_size, NOISE)
+    assert a.stall.trial["before"] == pytest.approx(0.5 / EVERY * 0.5**TRIAL)
+    # x2 falls 0.2 a window: 0.8x of the 0.25 promised, above the half asked (against the fall before
+    # the growth, unslowed, it would be 0.2x, and go back).
+    a.stall.losses.closed = [[3 * EVERY, 1, 1.5, 0.0], [4 * EVERY, 2, 1.2, 0.0], [5 * EVERY, 2, 1.0, 0.0]]
+    assert not a.stall._failed(a.stall.trial)
+
+
+@pytest.mark.parametrize(
+    ("means", "expected"),
+    [
+        ([3.0, 2.0, 1.9], 0.5),  # a fall that shrinks tenfold: no lower than the floor
+        ([3.0, 2.0, 0.5], 1.0),  # a fall that grows: no more than none
+        ([3.0, 3.0, 2.0], 1.0),  # the earlier was no fall
+        ([3.0, 2.0, 2.5], 1.0),  # the last was no fall
+    ],
+)
+def test_the_slowing_is_bounded(means, expected):
+    windows = LossWindows()
+    windows.closed = [[(i + 1) * EVERY, 1, m, 0.0] for i, m in enumerate(means)]
+    assert windows.slowing(EVERY) == pytest.approx(expected)
+    windows.closed[0][1] = 2  # windows at another multiple say nothing of this one's slowing
+    assert windows.slowing(EVERY) == 1.0

@@ -11,8 +11,12 @@ error, and a window's progress is the fall of the mean from the window before, p
   are measured nothing grows either (what follows needs the progress before a growth);
 - **a growth on trial**: after a growth from k0 to k1 the next ``TRIAL`` windows run at k1 with no other
   change; then the progress per sample of their last two (the fall per step / k1) is set against the
-  progress per sample before the growth times what the noise scale predicted for it,
-  efficiency(k1 G0) / efficiency(k0 G0). Below ``STALL`` of that, the batch goes back to k0;
+  progress per sample k0 would have made there times what the noise scale predicted for k1,
+  efficiency(k1 G0) / efficiency(k0 G0). Below ``STALL`` of that, the batch goes back to k0. What k0
+  would have made is its progress before the growth, slowed as it was slowing: a loss falls less
+  with every window (the falls of the three windows before the growth give the rate, no lower than
+  ``SLOWING_FLOOR`` a window), and the verdict's windows come ``TRIAL`` windows after it, so that a
+  growth is not blamed for the slowing the smaller batch would have seen too;
 - **cut short**: a growth whose first window's measured step times (step_times.py) already give less
   goodput than the multiple it grew from goes back then, with neither a verdict nor a hold;
 - **hold**: after going back on the loss's verdict, no choice may exceed k0 for ``HOLD`` choices,
@@ -39,6 +43,7 @@ Z = 2.0  # the loss must fall by this many standard errors for a larger batch to
 TRIAL = 2  # windows a growth runs before its verdict
 HOLD = 4  # choices after a back-off that may not exceed the multiple gone back to (x2 per back-off in a row)
 KEPT = 3  # windows remembered: the two a progress needs, and the one before them
+SLOWING_FLOOR = 0.5  # the least a window's fall is taken to shrink to in the next (an estimate of three windows)
 
 
 class LossWindows:
@@ -83,15 +88,25 @@ class LossWindows:
         self.closed = [*self.closed, [step, k, mean, error]][-KEPT:]
         self._sums, self._count = None, 0
 
-    def progress(self, every: int) -> tuple[float, float] | None:
-        """(fall of the mean loss per step, its standard error) from the last two windows, when both are
-        measured, adjacent and at one multiple; None otherwise."""
-        if len(self.closed) < 2:
+    def progress(self, every: int, back: int = 0) -> tuple[float, float] | None:
+        """(fall of the mean loss per step, its standard error) from the last two windows (``back``: the
+        two before those, that many windows earlier), when both are measured, adjacent and at one
+        multiple; None otherwise."""
+        if len(self.closed) < 2 + back:
             return None
-        (end0, k0, mean0, err0), (end1, k1, mean1, err1) = self.closed[-2:]
+        (end0, k0, mean0, err0), (end1, k1, mean1, err1) = self.closed[len(self.closed) - 2 - back :][:2]
         if mean0 is None or mean1 is None or k0 != k1 or end1 - end0 != every:
             return None
         return (mean0 - mean1) / every, math.hypot(err0, err1) / every
+
+    def slowing(self, every: int) -> float:
+        """How much the loss's fall shrank from one window to the next, the last three windows at one
+        multiple: the last fall over the one before it, within [SLOWING_FLOOR, 1]; 1 (none) where either
+        fall is unmeasured or not a fall."""
+        last, earlier = self.progress(every), self.progress(every, back=1)
+        if last is None or earlier is None or last[0] <= 0 or earlier[0] <= 0:
+            return 1.0
+        return min(max(last[0] / earlier[0], SLOWING_FLOOR), 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         sums = self._sums.tolist() if self._sums is not None else None
@@ -154,7 +169,9 @@ class StallCheck:
         if before is None:
             return
         expect = efficiency(k1 * global_batch, noise_scale) / efficiency(k0 * global_batch, noise_scale)
-        self.trial = {"at": step, "from": k0, "to": k1, "before": before[0], "expect": expect}
+        # The fall at k0 had slowed by this much a window; the verdict's windows are TRIAL later.
+        before = before[0] * self.losses.slowing(self.every) ** TRIAL
+        self.trial = {"at": step, "from": k0, "to": k1, "before": before, "expect": expect}
 
     def _failed(self, trial: dict[str, Any]) -> bool:
         after = self.losses.progress(self.every)
@@ -193,6 +210,6 @@ def _why(trial: dict[str, Any], after: float) -> str:
     before = trial["before"] / k0
     share = f"{after / k1 / before:.2f}x" if before > 0 else "none"
     return (
-        f"back from x{k1}: the loss's fall per sample there was {share} of that at x{k0}, "
+        f"back from x{k1}: the loss's fall per sample there was {share} of what x{k0}'s would have been, "
         f"where the noise scale predicted {trial['expect']:.2f}x"
     )
