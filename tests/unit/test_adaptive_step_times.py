@@ -141,3 +141,10 @@ def test_a_checkpoint_from_before_the_measured_times_loads():
     del state["measured"]
     a.load_state_dict(state)
     assert a.times.prior == (0.2, 0.8) and a.times.measured == {}
+
+
+def test_the_estimating_steps_are_left_out_unless_every_step_estimates():
+    times = StepTimes(None)
+    times.record(1, [(1.0, 0.9, False)] * 3 + [(5.0, 0.9, True)] * 4, accumulation=1)
+    times.record(2, [(3.0, 0.9, True)] * 4, accumulation=2)
+    assert times.measured == {1: 1.0, 2: 3.0}

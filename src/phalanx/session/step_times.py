@@ -57,7 +57,8 @@ class StepTimes:
             return
         if self.prior is None:
             self.prior = fit(times, accumulation)
-        steps = [t[0] for t in times if not t[2]]
+        # The steps that estimated the noise scale did more; all of them where every step estimates.
+        steps = [t[0] for t in times if not t[2]] or [t[0] for t in times]
         if len(steps) >= 2 and k not in self.measured:
             self.measured[k] = statistics.median(steps)
 
