@@ -7,8 +7,9 @@ k times the starting ones, and a forward joins up to k of the loader's micro-bat
 ``batch.max_micro_batch_size`` allows (without it the micro-batch stays, so does a step's memory). The
 choice maximises throughput(k) x efficiency(k G0), with efficiency(B) = 1 / (1 + B / B_noise) and
 throughput from the step time at k (step_times.py: a prior fitted to the first decision's steps,
-then the time measured at each multiple the run has trained at, kept in the checkpoint so that a
-resumed run decides from the timings the uninterrupted one had). The learning rate is multiplied by the
+then the time measured at each multiple the run has trained at, kept in the checkpoint: a resumed
+run decides from the times measured before it and measures only the multiples not yet trained at).
+The learning rate is multiplied by the
 AdaScale gain (Johnson et al. 2020) for SGD-family optimizers, r = (1 + B_noise/G0) / (1 + B_noise/G),
 and by its square root for Adam-family ones; the user's schedulers step k times per optimizer step,
 so a schedule keeps its meaning in samples seen. The choices are part of the checkpoint.
