@@ -200,3 +200,47 @@ def test_the_slowing_is_bounded(means, expected):
     assert windows.slowing(EVERY) == pytest.approx(expected)
     windows.closed[0][1] = 2  # windows at another multiple say nothing of this one's slowing
     assert windows.slowing(EVERY) == 1.0
+
+
+def _reviewed(back_means: list[float]) -> tuple[tuple[str, int], AdaptiveBatch]:
+    """A back-off from x8 to x1 at step 4 EVERY, its trial having fallen 0.8 a window at x8 (0.1 per
+    sample), then two windows back at x1 with ``back_means``; the ruling when they are in."""
+    a = _adaptive()
+    at = 4 * EVERY
+    a.stall.cap, a.stall.hold_until, a.stall.strikes = 1, at + HOLD * EVERY, 1
+    a.stall.review = {"at": at, "from": 1, "to": 8, "after": 0.8 / EVERY, "error": 0.01 / EVERY, "expect": 1.0}
+    a.stall.losses.closed = [[at, 8, 3.0, 0.0]] + [
+        [at + (i + 1) * EVERY, 1, m, 0.001] for i, m in enumerate(back_means)
+    ]
+    return a.stall.ruling(at + TRIAL * EVERY, 1), a
+
+
+def test_a_back_off_that_the_smaller_batch_does_not_bear_out_is_undone():
+    # Back at x1 the loss no longer falls: x8's 0.1 per sample was the better, the slowing the run's.
+    ruling, a = _reviewed([2.0, 1.99])
+    assert ruling == ("again", 8)
+    assert a.stall.cap is None and a.stall.strikes == 0 and a.stall.review is None
+    assert a.stall.why.startswith("x8 again: back at x1 the loss fell 0.10x as much per sample as x8's")
+    ruling, a = _reviewed([2.0, 2.1])  # back at x1 the loss rose: the verdict was wrong
+    assert ruling == ("again", 8) and "back at x1 the loss did not fall, where x8's on trial did" in a.stall.why
+
+
+def test_a_back_off_that_the_smaller_batch_bears_out_holds():
+    # Back at x1 the loss falls 0.5 a window, per sample five times x8's: the verdict was right.
+    ruling, a = _reviewed([2.0, 1.5])
+    assert ruling == ("free", 1) and a.stall.cap == 1 and a.stall.strikes == 1
+    # Within the noise it holds as well: x1 falls 0.16 a window (weighed, 0.08 against x8's 0.1 per
+    # sample), but with standard errors of 0.05 a window the difference is not 2 of them.
+    a = _adaptive()
+    a.stall.review = {"at": 0, "from": 1, "to": 8, "after": 0.8 / EVERY, "error": 0.4 / EVERY, "expect": 1.0}
+    a.stall.losses.closed = [[0, 8, 3.0, 0.0], [EVERY, 1, 2.0, 0.05], [2 * EVERY, 1, 1.84, 0.05]]
+    assert a.stall.ruling(TRIAL * EVERY, 1) == ("free", 0)
+    assert a.stall.review is None  # reviewed once, either way
+
+
+def test_a_checkpoint_from_before_the_review_loads():
+    a = _adaptive()
+    state = a.state_dict()
+    del state["stall"]["review"]
+    a.load_state_dict(state)
+    assert a.stall.review is None

@@ -142,7 +142,7 @@ class AdaptiveBatch:
                 if slower is not None:
                     ruling, bound = "back", self.stall.withdraw(slower)
             if ruling != "free":
-                choice = bound  # a growth on trial stays; a failed one goes back
+                choice = bound  # a growth on trial stays; a failed one goes back; a wrongly failed one returns
             else:
                 candidates = [c for c in self.candidates() if not bound or c <= bound]
                 choice = choose(self.k, candidates, self.base, noise_scale, self.times)

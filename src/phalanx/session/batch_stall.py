@@ -20,7 +20,12 @@ error, and a window's progress is the fall of the mean from the window before, p
 - **cut short**: a growth whose first window's measured step times (step_times.py) already give less
   goodput than the multiple it grew from goes back then, with neither a verdict nor a hold;
 - **hold**: after going back on the loss's verdict, no choice may exceed k0 for ``HOLD`` choices,
-  doubled with every back-off in a row (a growth that passes its trial ends the row).
+  doubled with every back-off in a row (a growth that passes its trial ends the row);
+- **review**: ``TRIAL`` windows after going back on the loss's verdict, the fall per sample back at k0
+  is weighed as the verdict weighed k0's (``STALL`` x the noise scale's promise) against k1's on
+  trial. When k1's was the larger by more than ``Z`` standard errors, the slowing the verdict saw
+  was the run's, not the batch's: k1 comes back at once, without a trial, and the hold and the row
+  of back-offs end.
 
 The losses are what the Session hands over at every optimizer step (``LossWindows.add``): tensors stay
 on the device, added up there, and are read once a window, at the choice (no read per step). Rank 0
@@ -129,22 +134,33 @@ class StallCheck:
         self.hold_until = 0  # the optimizer step the hold ends at
         self.strikes = 0  # back-offs in a row
         self.why: str | None = None  # the last back-off's reason, for the line that announces it (rank 0)
+        # {"at", "from", "to", "after", "error", "expect"} of the last back-off on the loss's verdict, until
+        # the windows back at "from" say whether the verdict was right
+        self.review: dict[str, Any] | None = None
 
     def ruling(self, step: int, k: int) -> tuple[str, int]:
         """At a choice, after the window ending at ``step`` closed: ("trial", k) while a growth is on
-        trial, ("back", k0) when it failed, ("free", cap) when the choice is free up to ``cap``
-        (0: any multiple)."""
+        trial, ("back", k0) when it failed, ("again", k1) when the windows back at k0 say it should not
+        have, ("free", cap) when the choice is free up to ``cap`` (0: any multiple)."""
         if self.trial is not None:
             if step < self.trial["at"] + TRIAL * self.every:
                 return "trial", k
             trial, self.trial = self.trial, None
             if self._failed(trial):
-                self.why = _why(trial, self.losses.progress(self.every)[0])
+                after, error = self.losses.progress(self.every)
+                self.why = _why(trial, after)
                 self.strikes += 1
                 self.cap = trial["from"]
                 self.hold_until = step + HOLD * 2 ** (self.strikes - 1) * self.every
+                self.review = {"at": step, "from": trial["from"], "to": trial["to"], "after": after, "error": error}
+                self.review["expect"] = trial["expect"]
                 return "back", trial["from"]
             self.strikes = 0
+        if self.review is not None and step >= self.review["at"] + TRIAL * self.every:
+            review, self.review = self.review, None
+            if self._wrongly_backed(review):
+                self.cap, self.hold_until, self.strikes = None, 0, 0
+                return "again", review["to"]
         if self.cap is not None and step >= self.hold_until:
             self.cap = None
         return "free", self.cap or 0
@@ -181,10 +197,30 @@ class StallCheck:
         wanted = STALL * trial["expect"] * trial["to"] / trial["from"] * max(trial["before"], 0.0)
         return after[0] < wanted
 
+    def _wrongly_backed(self, review: dict[str, Any]) -> bool:
+        """Whether the windows back at k0 fell less per sample than k1's trial did, weighed as the verdict
+        weighed them (STALL x the noise scale's promise) and by more than Z standard errors: then the
+        verdict blamed k1 for a slowing k0 sees too, and k1 comes back. Sets the line that says so."""
+        back = self.losses.progress(self.every)
+        if back is None:
+            return False
+        k0, k1, weight = review["from"], review["to"], STALL * review["expect"]
+        margin = review["after"] / k1 - weight * back[0] / k0
+        error = math.hypot(review["error"] / k1, weight * back[1] / k0)
+        if margin <= Z * error:
+            return False
+        if back[0] > 0:
+            fell = f"fell {back[0] / k0 / (review['after'] / k1):.2f}x as much per sample as x{k1}'s on trial"
+        else:
+            fell = f"did not fall, where x{k1}'s on trial did"
+        self.why = f"x{k1} again: back at x{k0} the loss {fell}: the slowing was the run's, not the batch's"
+        return True
+
     def decisions(self) -> dict[str, Any]:
         """What every rank must hold alike (rank 0 sends it with its choice)."""
         return {
             "trial": self.trial,
+            "review": self.review,
             "cap": self.cap,
             "hold_until": self.hold_until,
             "strikes": self.strikes,
@@ -193,6 +229,8 @@ class StallCheck:
 
     def take(self, decisions: dict[str, Any]) -> None:
         self.trial = dict(decisions["trial"]) if decisions["trial"] is not None else None
+        review = decisions.get("review")  # a checkpoint from before the review has none
+        self.review = dict(review) if review is not None else None
         self.cap, self.hold_until = decisions["cap"], int(decisions["hold_until"])
         self.strikes = int(decisions["strikes"])
         self.losses.closed = [list(w) for w in decisions["closed"]]
