@@ -99,7 +99,7 @@ class LossWindows:
         multiple; None otherwise."""
         if len(self.closed) < 2 + back:
             return None
-        (end0, k0, mean0, err0), (end1, k1, mean1, err1) = self.closed[len(self.closed) - 2 - back :][:2]
+        (end0, k0, mean0, err0), (end1, k1, mean1, err1) = self.closed[-2 - back], self.closed[-1 - back]
         if mean0 is None or mean1 is None or k0 != k1 or end1 - end0 != every:
             return None
         return (mean0 - mean1) / every, math.hypot(err0, err1) / every
@@ -152,8 +152,14 @@ class StallCheck:
                 self.strikes += 1
                 self.cap = trial["from"]
                 self.hold_until = step + HOLD * 2 ** (self.strikes - 1) * self.every
-                self.review = {"at": step, "from": trial["from"], "to": trial["to"], "after": after, "error": error}
-                self.review["expect"] = trial["expect"]
+                self.review = {
+                    "at": step,
+                    "from": trial["from"],
+                    "to": trial["to"],
+                    "after": after,
+                    "error": error,
+                    "expect": trial["expect"],
+                }
                 return "back", trial["from"]
             self.strikes = 0
         if self.review is not None and step >= self.review["at"] + TRIAL * self.every:

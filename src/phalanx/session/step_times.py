@@ -28,7 +28,7 @@ def fit(times: list[tuple[float, float, bool]], accumulation: int) -> tuple[floa
     micro-steps. The synchronising part starts with the last micro-step's backward: the micro-steps
     before it are accumulation - 1 whole ones; with one micro-step, the part before is its forward
     alone, and the backward's share of the synchronising part is BACKWARD_PER_FORWARD forwards."""
-    steps = [t for t in times if not t[2]] or times
+    steps = _plain(times)
     if len(steps) < 2:
         return None
     step_time = statistics.median(t[0] for t in steps)
@@ -40,6 +40,12 @@ def fit(times: list[tuple[float, float, bool]], accumulation: int) -> tuple[floa
         t_micro = forward + min(BACKWARD_PER_FORWARD * forward, sync)
     t_micro = max(t_micro, 1e-9)
     return t_micro, max(step_time - accumulation * t_micro, 0.0)
+
+
+def _plain(times: list[tuple[float, float, bool]]) -> list[tuple[float, float, bool]]:
+    """The steps that did not estimate the noise scale (those did more work); all of them where every
+    step estimates."""
+    return [t for t in times if not t[2]] or times
 
 
 class StepTimes:
@@ -57,31 +63,33 @@ class StepTimes:
             return
         if self.prior is None:
             self.prior = fit(times, accumulation)
-        # The steps that estimated the noise scale did more; all of them where every step estimates.
-        steps = [t[0] for t in times if not t[2]] or [t[0] for t in times]
+        steps = _plain(times)
         if len(steps) >= 2 and k not in self.measured:
-            self.measured[k] = statistics.median(steps)
+            self.measured[k] = statistics.median(t[0] for t in steps)
 
     def seconds(self, k: int, accumulation: int) -> float | None:
         """One optimizer step at multiple ``k`` of a start of ``accumulation`` micro-steps; None with
         neither a prior nor a measurement."""
         if k in self.measured:
             return self.measured[k]
-        slope = accumulation * self.prior[0] if self.prior else None
         known = sorted(self.measured)
-        if not known:
-            return None if self.prior is None else k * slope + self.prior[1]
-        if len(known) == 1 and slope is None:
-            return None
-        if len(known) > 1:
-            below = [m for m in known if m < k]
-            above = [m for m in known if m > k]
-            a, b = (below[-1], above[0]) if below and above else (known[-2], known[-1]) if below else known[:2]
+        if len(known) >= 2:  # the line through the two measured nearest k, never falling
+            below, above = [m for m in known if m < k], [m for m in known if m > k]
+            if below and above:
+                a, b = below[-1], above[0]
+            elif below:
+                a, b = known[-2], known[-1]
+            else:
+                a, b = known[0], known[1]
             slope = max((self.measured[b] - self.measured[a]) / (b - a), 0.0)
-            anchor = a
-        else:
-            anchor = known[0]
-        return max(self.measured[anchor] + (k - anchor) * slope, 1e-9)
+        elif self.prior is None:
+            return None
+        else:  # the prior's slope, through the one measured multiple if there is one
+            slope = accumulation * self.prior[0]
+            if not known:
+                return k * slope + self.prior[1]
+            a = known[0]
+        return max(self.measured[a] + (k - a) * slope, 1e-9)
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.prior, "measured": [[k, s] for k, s in sorted(self.measured.items())]}
