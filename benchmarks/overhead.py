@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sections  # noqa: E402
-from peers import driver  # noqa: E402
+from peers import driver, turns  # noqa: E402
 from peers.workloads import STEP_SIZES, WORKLOADS  # noqa: E402
 
 TITLE = "## Per-step overhead: phalanx, Accelerate and Fabric against a hand-written loop (issue 26)"
@@ -47,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         help="raw-again: the raw loop in a launch of its own, whose ratio to raw is this machine's noise",
     )
     parser.add_argument("--quick", action="store_true", help="1 repeat of a few steps (a smoke run)")
+    parser.add_argument(
+        "--blocks", type=int, default=8, help="taking turns: the blocks (turns) each step size's timed steps take"
+    )
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="launch the contenders one after another instead of all at once, taking turns",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     sections.add_out_argument(parser)
     args = parser.parse_args(argv)
@@ -74,38 +82,44 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else args.repeats
     workloads = ",".join(f"step-{s}ms" for s in sizes)
     worker_args = ["--workloads", workloads, *(["--tiny"] if args.quick else [])]
+    together = not args.one_at_a_time
+    if together:
+        worker_args += ["--blocks", str(args.blocks)]
 
-    medians: dict[tuple[str, int, int], list[float | None]] = {}  # (contender, nproc, ms) -> per repeat
+    # (contender, nproc, ms) -> {repeat: figures to pair}: taking turns, the median step of each
+    # turn (paired with raw's turn of the same round); one at a time, the launch's median step.
+    figures_by: dict[tuple[str, int, int], dict[int, list[float]]] = {}
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="phalanx-overhead-") as tmp:
         for repeat in range(repeats):
             for nproc in nprocs:
-                # Rotated each repeat, and reversed every other one, so that no contender always
-                # follows the same one (a launch can leave the machine warmer or colder for the next).
-                shift = (repeat + nproc) % len(contenders)
-                order = contenders[shift:] + contenders[:shift]
-                for contender in reversed(order) if repeat % 2 else order:
-                    run_dir = Path(tmp) / f"{contender.name}-{nproc}-{repeat}"
-                    config = driver.config_file(contender, None, Path(tmp))
-                    outcome = driver.launch(
-                        contender, nproc, repeat, run_dir, worker_args, timeout=args.timeout, config_file=config
-                    )
-                    figures = (outcome.result or {}).get("workloads", {})
+                run = _together if together else _one_at_a_time
+                for outcome in run(contenders, nproc, repeat, Path(tmp), worker_args, args.timeout):
+                    measured = (outcome.result or {}).get("workloads", {})
                     for ms in sizes:
-                        step = figures.get(f"step-{ms}ms", {}).get("step_time_median_s")
-                        medians.setdefault((contender.name, nproc, ms), []).append(step)
+                        figure = measured.get(f"step-{ms}ms", {})
+                        values = figure.get("block_medians_s") if together else None
+                        if not values and figure.get("step_time_median_s") is not None:
+                            values = [figure["step_time_median_s"]]
+                        if values:
+                            figures_by.setdefault((outcome.contender, nproc, ms), {})[repeat] = values
                     status = "ok" if outcome.error is None else outcome.error
-                    print(f"repeat {repeat + 1}/{repeats}, {nproc} proc, {contender.name}: {status}", flush=True)
+                    print(f"repeat {repeat + 1}/{repeats}, {nproc} proc, {outcome.contender}: {status}", flush=True)
                     if outcome.error is not None:
-                        failures.append(f"{contender.name} at {nproc} processes, repeat {repeat + 1}: {outcome.error}")
+                        where = f"{outcome.contender} at {nproc} processes, repeat {repeat + 1}"
+                        failures.append(f"{where}: {outcome.error}")
 
-    figures = report(say, medians, contenders, nprocs, sizes, repeats)
+    figures = report(say, figures_by, contenders, nprocs, sizes, repeats, together)
     for failure in failures:
         say(f"- failed: {failure}")
     if args.out:
-        settings = (
-            f"{repeats} repeats, contenders interleaved and rotated; per launch, every step size in turn; "
-            + "; ".join(f"{ms} ms: {WORKLOADS[f'step-{ms}ms'].title}" for ms in sizes)
+        how = (
+            f"every contender launched at once, taking turns of {args.blocks} blocks per step size (peers/turns.py)"
+            if together
+            else "contenders launched one at a time, interleaved and rotated"
+        )
+        settings = f"{repeats} repeats, {how}; per launch, every step size in turn; " + "; ".join(
+            f"{ms} ms: {WORKLOADS[f'step-{ms}ms'].title}" for ms in sizes
         )
         sections.write_section(
             Path(args.out),
@@ -120,12 +134,63 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _ratios(ours: list[float | None], raw: list[float | None]) -> list[float]:
-    """Per repeat: a contender's median step over raw's, launched next to it."""
-    return [a / b for a, b in zip(ours, raw) if a is not None and b]
+def _one_at_a_time(contenders: list, nproc: int, repeat: int, tmp: Path, worker_args: list[str], timeout: float):
+    """Launch after launch, rotated each repeat and reversed every other one, so that no contender
+    always follows the same one (a launch can leave the machine warmer or colder for the next)."""
+    shift = (repeat + nproc) % len(contenders)
+    order = contenders[shift:] + contenders[:shift]
+    for contender in reversed(order) if repeat % 2 else order:
+        run_dir = tmp / f"{contender.name}-{nproc}-{repeat}"
+        config = driver.config_file(contender, None, tmp)
+        yield driver.launch(contender, nproc, repeat, run_dir, worker_args, timeout=timeout, config_file=config)
 
 
-def report(say, medians: dict, contenders: list, nprocs: list[int], sizes: list[int], repeats: int) -> dict:
+def _together(contenders: list, nproc: int, repeat: int, tmp: Path, worker_args: list[str], timeout: float):
+    """Every contender launched at once; they take turns (peers/turns.py), so only one runs at a
+    time, and each turn's steps are seconds from the raw loop's of the same round."""
+    directory = tmp / f"turns-{nproc}-{repeat}"
+    directory.mkdir()
+    env = {turns.ENV: str(directory)}
+    launches = {}
+    try:
+        for contender in contenders:
+            run_dir = tmp / f"{contender.name}-{nproc}-{repeat}"
+            config = driver.config_file(contender, None, tmp)
+            launches[contender.name] = driver.start(
+                contender, nproc, repeat, run_dir, worker_args, config_file=config, env=env
+            )
+        conductor = turns.Conductor(directory, {name: nproc for name in launches})
+        names = list(launches)
+        shift = repeat % len(names)
+        conductor.run(
+            lambda round_: turns.rotation(names[shift:] + names[:shift], round_),
+            lambda name: launches[name].alive(),
+            turn_timeout=timeout,
+            on_stuck=lambda name: driver.stop(launches[name]),
+        )
+        outcomes = [driver.finish(launch, timeout=timeout) for launch in launches.values()]
+    finally:  # also on Ctrl-C: nothing of these launches outlives them
+        for launch in launches.values():
+            driver.stop(launch)
+    yield from outcomes
+
+
+def _paired(ours: dict[int, list[float]], raw: dict[int, list[float]]) -> list[tuple[float, float]]:
+    """(ours, raw) per round of every repeat both have: each contender's figure beside raw's,
+    measured next to it (the same round of turns, or the launch beside it)."""
+    return [pair for repeat in sorted(set(ours) & set(raw)) for pair in zip(ours[repeat], raw[repeat]) if pair[1]]
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 4:
+        return min(values), max(values)
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def report(
+    say, figures_by: dict, contenders: list, nprocs: int, sizes: list[int], repeats: int, together: bool
+) -> dict:
     others = [c for c in contenders if c.name != "raw"]
     figures: dict = {}
     verdicts: list[str] = []
@@ -136,22 +201,23 @@ def report(say, medians: dict, contenders: list, nprocs: list[int], sizes: list[
         say("| " + " | ".join(head) + " |")
         say("|" + " --- |" * len(head))
         for ms in sizes:
-            raw = medians.get(("raw", nproc, ms), [])
-            measured = [v for v in raw if v is not None]
+            raw = figures_by.get(("raw", nproc, ms), {})
+            measured = [v for values in raw.values() for v in values]
             if not measured:
                 say(f"| {ms} ms | failed |" + " |" * len(others))
                 continue
             raw_ms = statistics.median(measured) * 1e3
             cells = [f"{ms} ms", f"{raw_ms:.2f}"]
             for contender in others:
-                ours = medians.get((contender.name, nproc, ms), [])
-                ratios = _ratios(ours, raw)
-                if not ratios:
+                pairs = _paired(figures_by.get((contender.name, nproc, ms), {}), raw)
+                if not pairs:
                     cells.append("failed")
                     continue
+                ratios = [a / b for a, b in pairs]
                 ratio = statistics.median(ratios)
-                extra = statistics.median([(a - b) * 1e3 for a, b in zip(ours, raw) if a is not None and b])
-                cells.append(f"{ratio:.3f} ({min(ratios):.3f}-{max(ratios):.3f}), {extra:+.3f}")
+                low, high = _quartiles(ratios) if together else (min(ratios), max(ratios))
+                extra = statistics.median([(a - b) * 1e3 for a, b in pairs])
+                cells.append(f"{ratio:.3f} ({low:.3f}-{high:.3f}), {extra:+.3f}")
                 figures.setdefault(str(nproc), {}).setdefault(str(ms), {})[contender.name] = {
                     "ratio": ratio,
                     "ratios": ratios,
@@ -165,11 +231,19 @@ def report(say, medians: dict, contenders: list, nprocs: list[int], sizes: list[
     for line in verdicts:
         say(f"- {line}")
     say()
-    say(
-        f"A ratio is a contender's median step time over the raw loop's in the same repeat ({repeats} repeats); "
-        "the range is over repeats, so a difference inside it is noise; the raw loop's second launch (raw loop "
-        "again) runs the same program, so its ratio is what noise alone gives."
-    )
+    if together:
+        say(
+            f"A ratio is the median, over every round of turns ({repeats} launches of all contenders at once, each "
+            "step size in blocks taken in turn), of a contender's median step in its turn over the raw loop's in "
+            "the same round; the range is the middle half of those rounds (quartiles). The raw loop's second "
+            "launch (raw loop again) runs the same program, so its ratio is what noise alone gives."
+        )
+    else:
+        say(
+            f"A ratio is a contender's median step time over the raw loop's in the same repeat ({repeats} repeats); "
+            "the range is over repeats, so a difference inside it is noise; the raw loop's second launch (raw loop "
+            "again) runs the same program, so its ratio is what noise alone gives."
+        )
     return figures
 
 
@@ -188,7 +262,7 @@ def _verdicts(rows: dict, nproc: int, others: list) -> list[str]:
         if "phalanx" not in row:
             continue
         slower = [
-            f"{c.label} {row[c.name]['ratio']:.3f}x"
+            f"{c.label} {row[c.name]['ratio']:.3f}x{_rounds_won(row[c.name]['ratios'], row['phalanx']['ratios'])}"
             for c in others
             if c.name in row
             and c.name not in ("phalanx", "raw-again")
@@ -198,6 +272,15 @@ def _verdicts(rows: dict, nproc: int, others: list) -> list[str]:
             ours = row["phalanx"]["ratio"]
             out.append(f"{nproc} proc, {ms} ms steps: phalanx {ours:.3f}x, faster: {', '.join(slower)}")
     return out
+
+
+def _rounds_won(theirs: list[float], ours: list[float]) -> str:
+    """In how many rounds the other was the faster, where the rounds pair up: near half of them
+    says the difference of the medians is noise."""
+    if len(theirs) != len(ours) or len(ours) < 2:
+        return ""
+    won = sum(a < b for a, b in zip(theirs, ours))
+    return f" (faster in {won} of {len(ours)} rounds)"
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ same way for all.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from peers.targets import TASKS, Task, hits
+from peers.turns import Turns
 from peers.workloads import DATA_SEED, EVAL_SEED, WORKLOADS, Workload, tiny
 
 
@@ -73,6 +75,13 @@ def _agree(flag: bool) -> bool:
     return bool(value.item())
 
 
+@functools.cache
+def _turns(contender: str) -> Turns | None:
+    """This process's place in the turns (one count for all its workloads), or None when the
+    contenders do not take turns."""
+    return Turns.from_env(contender, world()[0])
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contender", required=True)
@@ -83,6 +92,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a few steps each (the test suite)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the workload's)")
+    parser.add_argument(
+        "--blocks", type=int, default=8, help="taking turns (peers/turns.py): the turns a workload's timed steps take"
+    )
     parser.add_argument("--task", default=None, help=f"time-to-target mode: {' | '.join(TASKS)}")
     parser.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
     parser.add_argument("--eval-every", type=int, default=None, help="training samples between evaluations")
@@ -125,6 +137,9 @@ def main(contender_prepare: Callable[[Job], Prepared], *, versions: dict[str, st
             name: _throughput(args, name, contender_prepare, size) for name in args.workloads.split(",") if name
         }
     rank, _ = world()
+    turns = _turns(args.contender)
+    if turns is not None:
+        turns.done()
     if rank == 0:
         Path(args.result).write_text(json.dumps(result, indent=1), encoding="utf-8")
         print(f"result written to {args.result}", flush=True)
@@ -139,22 +154,34 @@ def _throughput(args: argparse.Namespace, name: str, contender_prepare: Callable
         workload = tiny(workload)
     warmup = args.warmup if args.warmup is not None else workload.warmup
     steps = args.steps if args.steps is not None else workload.steps
+    turns = _turns(args.contender)
+    if turns is not None:
+        turns.wait()  # set-up and warm-up take a turn too: they must not overlap another's timed steps
     data = workload.make_data(workload.micro_batch * size * (warmup + steps), DATA_SEED)
     job = Job(name, workload, data, workload.micro_batch, workload.micro_batch * size)
     prepared = contender_prepare(job)
     prepared.set_epoch(0)
     global_batch = prepared.global_batch
+    # Taking turns, the timed steps come in blocks, one per turn; a block's first step, right
+    # after the wait, is not counted (its caches went cold while others ran).
+    per_block = max(2, -(-steps // args.blocks)) if turns is not None else steps + 1
 
     # Timing starts at an optimizer-step boundary after `warmup` optimizer steps and covers every
     # later micro-step, data loading included; a step's time is taken when its last micro-step ends.
-    samples, micro, start, marks = 0, 0, None, []
+    samples, micro, timing, last, counted, at_last = 0, 0, False, 0.0, 0, 0
+    step_times: list[float] = []
+    blocks: list[list[float]] = [[]]
     iterator = iter(prepared.loader)
     while True:
-        if start is None and micro == warmup * prepared.accumulation:
+        boundary = micro % prepared.accumulation == 0
+        if not timing and micro == warmup * prepared.accumulation:
             _sync()
-            start = time.perf_counter()
-            marks.append(start)
-            warm_samples = samples
+            timing, taken, at_last = True, 0, samples
+            last = time.perf_counter()
+        if timing and boundary and turns is not None and taken % per_block == 0:
+            blocks.append([])
+            turns.wait()  # the first block too: it must not share the turn with set-up
+            last = time.perf_counter()
         try:
             x, y = next(iterator)
         except StopIteration:
@@ -162,16 +189,21 @@ def _throughput(args: argparse.Namespace, name: str, contender_prepare: Callable
         prepared.step(x, y)
         samples += x.shape[0] * size
         micro += 1
-        if start is not None and micro % prepared.accumulation == 0:
-            marks.append(time.perf_counter())
-    if len(marks) < 2:
+        if timing and micro % prepared.accumulation == 0:
+            now = time.perf_counter()
+            if turns is None or taken % per_block:
+                step_times.append(now - last)
+                blocks[-1].append(now - last)
+                counted += samples - at_last
+            taken, last, at_last = taken + 1, now, samples
+    if not step_times:
         raise SystemExit(
             f"{name}: the data ran out before a timed optimizer step ({micro} micro-steps of {prepared.accumulation} "
             "per step); raise --steps"
         )
-    timed = samples - warm_samples
-    seconds = marks[-1] - start
-    step_times = [b - a for a, b in zip(marks, marks[1:])]
+    if turns is not None:
+        turns.wait()  # evaluation and clean-up, off the others' clocks
+    seconds = sum(step_times)
     loss = _eval_loss(prepared.model, workload)
     parameters = sum(p.numel() for p in prepared.model.parameters())
     prepared.close()
@@ -181,11 +213,13 @@ def _throughput(args: argparse.Namespace, name: str, contender_prepare: Callable
         "global_batch": global_batch,
         "warmup_steps": warmup,
         "timed_steps": len(step_times),
-        "timed_samples": timed,
+        "timed_samples": counted,
         "seconds": seconds,
-        "samples_per_s": timed / seconds,
+        "samples_per_s": counted / seconds,
         "step_time_median_s": statistics.median(step_times),
         "step_times_s": step_times,
+        # Taking turns: each turn's median step, in turn order (the conductor's rounds).
+        "block_medians_s": [statistics.median(b) for b in blocks if b] if turns is not None else [],
         "final_loss": loss,
         "choices": prepared.info,
     }

@@ -1,4 +1,5 @@
-"""Starting the contenders' workers, one process launch at a time, and collecting what they wrote.
+"""Starting the contenders' workers, one process launch at a time or several at once (``start``,
+then ``finish``), and collecting what they wrote.
 
 raw DDP, Accelerate and Fabric start under torchrun (``python -m torch.distributed.run
 --standalone``), phalanx under ``phalanx launch``; every launch gets the same OMP_NUM_THREADS
@@ -204,6 +205,84 @@ def config_file(
     return str(path)
 
 
+@dataclass
+class Running:
+    """A launch under way (``start``), until ``finish`` collects it."""
+
+    contender: Contender
+    nproc: int
+    repeat: int
+    run_dir: Path
+    proc: subprocess.Popen
+    token: str
+    started: float
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def start(
+    contender: Contender,
+    nproc: int,
+    repeat: int,
+    run_dir: Path,
+    worker_args: list[str],
+    *,
+    config_file: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Running:
+    """Starts one launch in the background; ``env``: entries added to its environment."""
+    run_dir.mkdir(parents=True)
+    log = run_dir / "launch.log"
+    # torch elastic starts each worker in a session of its own, out of reach of a signal to the
+    # launcher's group; this token in their environment finds them if they outlive the launch.
+    token = f"phalanx-compare-{uuid.uuid4().hex}"
+    environ = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(nproc)), "PHALANX_COMPARE_LAUNCH": token}
+    environ.update(env or {})
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), environ.get("PYTHONPATH", "")) if p)
+    cmd = command(contender, nproc, run_dir, worker_args, config_file)
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n", encoding="utf-8")
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=run_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=environ,
+            start_new_session=True,
+        )
+    return Running(contender, nproc, repeat, run_dir, proc, token, time.perf_counter(), log)
+
+
+def stop(running: Running) -> None:
+    """Kills whatever is left of the launch (also on Ctrl-C): nothing of it outlives it."""
+    _kill_group(running.proc)
+    _kill_carriers(running.token)
+
+
+def finish(running: Running, *, timeout: float) -> Outcome:
+    """Waits for the launch (at most ``timeout`` seconds from its start), then reads its result."""
+    error = None
+    try:
+        running.proc.wait(timeout=max(0.0, timeout - (time.perf_counter() - running.started)))
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout:.0f} s"
+    finally:
+        stop(running)
+    proc, log = running.proc, running.log
+    wall = time.perf_counter() - running.started
+    result_file = running.run_dir / "result.json"
+    result = (
+        json.loads(result_file.read_text(encoding="utf-8")) if result_file.is_file() and proc.returncode == 0 else None
+    )
+    if result is None and error is None:
+        error = f"exit code {proc.returncode}: {failure_reason(log)}"
+    name = running.contender.name
+    return Outcome(name, running.nproc, running.repeat, wall, result, error, proc.returncode, str(log))
+
+
 def launch(
     contender: Contender,
     nproc: int,
@@ -214,42 +293,8 @@ def launch(
     timeout: float,
     config_file: str | None = None,
 ) -> Outcome:
-    run_dir.mkdir(parents=True)
-    log = run_dir / "launch.log"
-    # torch elastic starts each worker in a session of its own, out of reach of a signal to the
-    # launcher's group; this token in their environment finds them if they outlive the launch.
-    token = f"phalanx-compare-{uuid.uuid4().hex}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(nproc)), "PHALANX_COMPARE_LAUNCH": token}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), env.get("PYTHONPATH", "")) if p)
-    cmd = command(contender, nproc, run_dir, worker_args, config_file)
-    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n", encoding="utf-8")
-    started = time.perf_counter()
-    error = None
-    with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=run_dir,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {timeout:.0f} s"
-        finally:  # also on Ctrl-C: nothing of this launch outlives it
-            _kill_group(proc)
-            _kill_carriers(token)
-    wall = time.perf_counter() - started
-    result_file = run_dir / "result.json"
-    result = (
-        json.loads(result_file.read_text(encoding="utf-8")) if result_file.is_file() and proc.returncode == 0 else None
-    )
-    if result is None and error is None:
-        error = f"exit code {proc.returncode}: {failure_reason(log)}"
-    return Outcome(contender.name, nproc, repeat, wall, result, error, proc.returncode, str(log))
+    running = start(contender, nproc, repeat, run_dir, worker_args, config_file=config_file)
+    return finish(running, timeout=timeout)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -24,9 +24,9 @@ PEERS = [
 ]
 
 
-def _compare(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _compare(*args: str, timeout: float = 240, script: str = "compare.py") -> subprocess.CompletedProcess:
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "benchmarks" / "compare.py"), *args],
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -38,7 +38,7 @@ def _compare(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"compare.py {' '.join(args)} did not finish in {timeout}s\n{out}\n{err}")
+        pytest.fail(f"{script} {' '.join(args)} did not finish in {timeout}s\n{out}\n{err}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -109,3 +109,17 @@ def test_harness_end_to_end_tiny(tmp_path):
         chart = tmp_path / "out" / section["chart"]
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({section['chart']})" in markdown
+
+
+@pytest.mark.multiprocess
+def test_overhead_takes_turns_end_to_end(tmp_path):
+    """benchmarks/overhead.py's default: both contenders launched at once, 2 processes each, taking
+    turns; every step size gives paired rounds, and every launch exits."""
+    out = tmp_path / "out"
+    args = ["--quick", "--sizes", "1", "--nproc-list", "2", "--contenders", "raw,phalanx", "--out", str(out)]
+    proc = _compare(*args, "--timeout", "150", script="overhead.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures = json.loads((out / "benchmarks.json").read_text())["step_overhead"]["figures"]
+    phalanx = figures["2"]["1"]["phalanx"]
+    assert phalanx["ratios"] and all(r > 0 for r in phalanx["ratios"])
+    assert "taking turns" in (out / "benchmarks.md").read_text()
