@@ -51,7 +51,8 @@ class Reads:
         )
 
 
-def _point(frame: Any) -> bool:
+def at_read_point(frame: Any) -> bool:
+    """Whether one of READ_POINTS is on the stack at ``frame`` (also tests/gpu/acceptance/syncs.py's rule)."""
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(SOURCE) and (name[len(SOURCE) :], frame.f_code.co_qualname) in READ_POINTS:
@@ -71,7 +72,7 @@ def counting() -> Iterator[Reads]:
             path = caller.f_code.co_filename
             if reads.counting and path.startswith(SOURCE):
                 key = (path[len(SOURCE) :], caller.f_lineno, caller.f_code.co_qualname, name)
-                (reads.allowed if _point(caller) else reads.stray)[key] += 1
+                (reads.allowed if at_read_point(caller) else reads.stray)[key] += 1
             return original(self, *args, **kwargs)
 
         return read

@@ -12,8 +12,10 @@ Parts (tests/gpu/acceptance/, one module each), with what each is designed to ta
   plan        35s  `phalanx plan`'s bytes against the allocator's peak of a real step, per strategy
   tune        90s  `phalanx tune`'s micro-batch search hitting a CUDA out-of-memory under train.memory_cap
   speed       60s  samples/s and MFU of phalanx against a hand-written loop, interleaved, medians
+  syncs       30s  host-device syncs per step in phalanx's own code (sync debug mode) and the device's
+                   idle steps and step time (CUDA events), against a hand-written loop
 
-About 7 minutes in all (the budget is 8). Writes one JSON with every figure, tolerance and verdict
+About 7.5 minutes in all (the budget is 8.5). Writes one JSON with every figure, tolerance and verdict
 and the GPU's name (--out), prints a table, and exits 1 when any check failed. Without CUDA it
 prints one line and exits 1. --cpu-smoke runs the parts on the CPU at toy sizes to try the script
 itself (figures meaningless, verdicts ignored; exit 0 when no part crashed).
@@ -36,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch  # noqa: E402
 
-TOTAL_BUDGET_S = 480
+TOTAL_BUDGET_S = 510
 
 
 def parts(args: argparse.Namespace) -> list:
-    from tests.gpu.acceptance import compiled, fsdp, memory, precision, prefetch, processes, speed, tuning
+    from tests.gpu.acceptance import compiled, fsdp, memory, precision, prefetch, processes, speed, syncs, tuning
     from tests.gpu.acceptance.report import Part
 
     return [
@@ -52,18 +54,31 @@ def parts(args: argparse.Namespace) -> list:
         Part("plan", 35, memory.run, "phalanx plan vs real step memory: single, ddp, zero1, fsdp alone"),
         Part("tune", 90, tuning.run, "phalanx tune micro-batch search, CUDA OOM under train.memory_cap"),
         Part("speed", 60, lambda: speed.run(args.repeats), "phalanx single vs hand-written loop: samples/s, MFU"),
+        Part("syncs", 30, lambda: syncs.run(args.repeats), "host-device syncs per step, device idle (CUDA events)"),
     ]
 
 
 def smoke_sizes() -> None:
     """Toy sizes on the CPU: enough to run every line of every part, nothing to measure."""
-    from tests.gpu.acceptance import compiled, fsdp, memory, precision, prefetch, processes, speed, tuning, workloads
+    from tests.gpu.acceptance import (
+        compiled,
+        fsdp,
+        memory,
+        precision,
+        prefetch,
+        processes,
+        speed,
+        syncs,
+        tuning,
+        workloads,
+    )
 
     workloads.DEVICE = torch.device("cpu")
     fsdp.OFFLOAD = False
     memory.WIDTH, memory.DEPTH, memory.MICRO = 64, 4, 8
     memory.CASES = memory.CASES[:1] + memory.CASES[3:4]
     speed.WIDTH, speed.DEPTH, speed.MICRO, speed.STEPS = 64, 2, 32, {"bf16": 3, "fp32": 3}
+    syncs.FEATURES, syncs.WIDTH, syncs.MICRO, syncs.STEPS, syncs.WARMUP = 32, 64, 32, 6, 2
     precision.CURVE_STEPS, precision.UPDATE_STEPS, precision.MICRO = 10, 5, 32
     prefetch.SPEED_STEPS = 2
     compiled.STEPS, compiled.MICRO = 12, 32
@@ -75,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=Raw
     )
-    names = ["precision", "fsdp", "processes", "prefetch", "compile", "plan", "tune", "speed"]
+    names = ["precision", "fsdp", "processes", "prefetch", "compile", "plan", "tune", "speed", "syncs"]
     parser.add_argument("--parts", default=",".join(names), help="comma-separated, of the parts below (default all)")
     parser.add_argument("--out", type=Path, help="the JSON to write (default runs/gpu-check-<date>-<time>.json)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each timed contender, medians (default 3)")
