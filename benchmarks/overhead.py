@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sections  # noqa: E402
-from peers import driver, turns  # noqa: E402
+from peers import driver  # noqa: E402
 from peers.workloads import STEP_SIZES, WORKLOADS  # noqa: E402
 
 TITLE = "## Per-step overhead: phalanx, Accelerate and Fabric against a hand-written loop (issue 26)"
@@ -146,33 +146,11 @@ def _one_at_a_time(contenders: list, nproc: int, repeat: int, tmp: Path, worker_
 
 
 def _together(contenders: list, nproc: int, repeat: int, tmp: Path, worker_args: list[str], timeout: float):
-    """Every contender launched at once; they take turns (peers/turns.py), so only one runs at a
-    time, and each turn's steps are seconds from the raw loop's of the same round."""
-    directory = tmp / f"turns-{nproc}-{repeat}"
-    directory.mkdir()
-    env = {turns.ENV: str(directory)}
-    launches = {}
-    try:
-        for contender in contenders:
-            run_dir = tmp / f"{contender.name}-{nproc}-{repeat}"
-            config = driver.config_file(contender, None, tmp)
-            launches[contender.name] = driver.start(
-                contender, nproc, repeat, run_dir, worker_args, config_file=config, env=env
-            )
-        conductor = turns.Conductor(directory, {name: nproc for name in launches})
-        names = list(launches)
-        shift = repeat % len(names)
-        conductor.run(
-            lambda round_: turns.rotation(names[shift:] + names[:shift], round_),
-            lambda name: launches[name].alive(),
-            turn_timeout=timeout,
-            on_stuck=lambda name: driver.stop(launches[name]),
-        )
-        outcomes = [driver.finish(launch, timeout=timeout) for launch in launches.values()]
-    finally:  # also on Ctrl-C: nothing of these launches outlives them
-        for launch in launches.values():
-            driver.stop(launch)
-    yield from outcomes
+    specs = [
+        driver.Spec(c, tmp / f"{c.name}-{nproc}-{repeat}", worker_args, driver.config_file(c, None, tmp))
+        for c in contenders
+    ]
+    return driver.launch_together(specs, nproc, repeat, tmp / f"turns-{nproc}-{repeat}", timeout=timeout)
 
 
 def _paired(ours: dict[int, list[float]], raw: dict[int, list[float]]) -> list[tuple[float, float]]:

@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from peers import turns
+
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = HERE.parent
 
@@ -295,6 +297,43 @@ def launch(
 ) -> Outcome:
     running = start(contender, nproc, repeat, run_dir, worker_args, config_file=config_file)
     return finish(running, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One launch of ``launch_together``."""
+
+    contender: Contender
+    run_dir: Path
+    worker_args: list[str]
+    config_file: str | None = None
+
+
+def launch_together(specs: list[Spec], nproc: int, repeat: int, directory: Path, *, timeout: float) -> list[Outcome]:
+    """Every launch started at once; they take turns (peers/turns.py), so one runs at a time and
+    each turn's steps are seconds from the others' of the same round. ``directory``: the turns'
+    files (new). ``timeout``: a launch's whole time, and the longest a turn may take."""
+    directory.mkdir(parents=True)
+    env = {turns.ENV: str(directory)}
+    launches: dict[str, Running] = {}
+    try:
+        for spec in specs:
+            launches[spec.contender.name] = start(
+                spec.contender, nproc, repeat, spec.run_dir, spec.worker_args, config_file=spec.config_file, env=env
+            )
+        conductor = turns.Conductor(directory, {name: nproc for name in launches})
+        names = list(launches)
+        shift = repeat % len(names)
+        conductor.run(
+            lambda round_: turns.rotation(names[shift:] + names[:shift], round_),
+            lambda name: launches[name].alive(),
+            turn_timeout=timeout,
+            on_stuck=lambda name: stop(launches[name]),
+        )
+        return [finish(running, timeout=timeout) for running in launches.values()]
+    finally:  # also on Ctrl-C: nothing of these launches outlives them
+        for running in launches.values():
+            stop(running)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
