@@ -36,7 +36,16 @@ import tempfile
 from pathlib import Path
 
 from peers import report, summary
-from peers.driver import CONTENDERS, Outcome, config_file, launch, missing_dependency, threads_per_process
+from peers.driver import (
+    CONTENDERS,
+    Outcome,
+    Spec,
+    config_file,
+    launch,
+    launch_together,
+    missing_dependency,
+    threads_per_process,
+)
 from peers.targets import TASKS
 from peers.workloads import WORKLOADS
 from sections import put_section
@@ -101,6 +110,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="time to target: give up a run after this much training (default 240; --quick: 30)",
     )
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a launch is killed (default 600)")
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="launch the contenders one after another (before 2026-12-07) instead of all at once, taking turns",
+    )
     parser.add_argument(
         "--out", default="docs", help="where benchmarks.json, benchmarks.md and images/ go (default docs)"
     )
@@ -187,7 +201,9 @@ def rotated(items: list[str], k: int) -> list[str]:
 
 
 def run_all(args: argparse.Namespace, scratch: Path, worker_args) -> tuple[list[Outcome], list[str]]:
-    """Every launch, in order; returns the outcomes and one line per failure."""
+    """Every launch; returns the outcomes and one line per failure. For each repeat, unit and
+    process count the contenders are launched at once and take turns (peers/turns.py), or, with
+    --one-at-a-time, one after another in rotated order."""
     outcomes, failures, given_up, configs = [], [], {}, {}
     units = args.tasks if args.time_to_target else [None]
     files = getattr(args, "files", {})
@@ -205,6 +221,7 @@ def run_all(args: argparse.Namespace, scratch: Path, worker_args) -> tuple[list[
     for repeat in range(args.repeats):
         for unit in units:
             for n in args.nprocs:
+                specs = []
                 for name in rotated(args.contenders, repeat):
                     if name in given_up:  # recorded, so its rows say why
                         outcomes.append(
@@ -213,25 +230,35 @@ def run_all(args: argparse.Namespace, scratch: Path, worker_args) -> tuple[list[
                         continue
                     count += 1
                     contender = CONTENDERS[name]
-                    out = launch(
-                        contender,
-                        n,
-                        repeat,
-                        scratch / f"{count:03d}-{name}-x{n}",
-                        worker_args(contender, unit, n),
-                        timeout=args.timeout,
-                        config_file=configs[name, unit],
+                    run_dir = scratch / f"{count:03d}-{name}-x{n}"
+                    specs.append(Spec(contender, run_dir, worker_args(contender, unit, n), configs[name, unit]))
+                if args.one_at_a_time:
+                    ran = (
+                        launch(
+                            s.contender,
+                            n,
+                            repeat,
+                            s.run_dir,
+                            s.worker_args,
+                            timeout=args.timeout,
+                            config_file=s.config_file,
+                        )
+                        for s in specs
                     )
+                else:
+                    turns_dir = scratch / f"{count:03d}-turns-x{n}"
+                    ran = launch_together(specs, n, repeat, turns_dir, timeout=args.timeout) if specs else []
+                for out in ran:
                     out.unit = unit
                     outcomes.append(out)
                     print(_progress(out, repeat, args.repeats, unit), file=sys.stderr, flush=True)
                     if out.error:
                         log = f" (log: {out.log})" if args.keep_runs else ""
                         failures.append(
-                            f"{name} x{n}, repeat {repeat + 1}{f', {unit}' if unit else ''}: {out.error}{log}"
+                            f"{out.contender} x{n}, repeat {repeat + 1}{f', {unit}' if unit else ''}: {out.error}{log}"
                         )
                         if out.exit_code == 2:  # a usage or config error: the same every time
-                            given_up[name] = out.error
+                            given_up[out.contender] = out.error
     return outcomes, failures
 
 

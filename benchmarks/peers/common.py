@@ -82,6 +82,24 @@ def _turns(contender: str) -> Turns | None:
     return Turns.from_env(contender, world()[0])
 
 
+class OwnClock:
+    """A contender's own training time: taking turns, the waits for a turn are left out."""
+
+    def __init__(self):
+        self.spent, self.since = 0.0, time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.spent + time.perf_counter() - self.since
+
+    def in_turn(self) -> float:
+        return time.perf_counter() - self.since
+
+    def wait(self, turns: Turns) -> None:
+        self.spent += time.perf_counter() - self.since
+        turns.wait()
+        self.since = time.perf_counter()
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contender", required=True)
@@ -94,6 +112,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the workload's)")
     parser.add_argument(
         "--blocks", type=int, default=8, help="taking turns (peers/turns.py): the turns a workload's timed steps take"
+    )
+    parser.add_argument(
+        "--turn-seconds",
+        type=float,
+        default=1.0,
+        help="time to target, taking turns: training seconds a turn lasts at least (it ends at an evaluation)",
     )
     parser.add_argument("--task", default=None, help=f"time-to-target mode: {' | '.join(TASKS)}")
     parser.add_argument("--target", type=float, default=None, help="held-out accuracy to reach")
@@ -256,6 +280,9 @@ def _to_target(args: argparse.Namespace, contender_prepare: Callable[[Job], Prep
     task = TASKS[args.task]
     train, held_out = task.data()
     job = Job(task.name, task, train, task.micro_batch, task.micro_batch * size, lr_rule(args))
+    turns = _turns(args.contender)
+    if turns is not None:
+        turns.wait()  # set-up takes a turn too: it must not overlap another's training
     prepared = contender_prepare(job)
     if job.lr_multiplier is not None and "lr" not in prepared.info:
         warmup = f", linear warm-up over {args.warmup_steps} steps" if args.warmup_steps else ""
@@ -265,10 +292,10 @@ def _to_target(args: argparse.Namespace, contender_prepare: Callable[[Job], Prep
     max_samples = args.max_samples or task.max_samples
 
     _sync()
-    start = time.perf_counter()
+    clock = OwnClock()
     samples, micro, next_eval, eval_seconds, curve = 0, 0, every, 0.0, []
     reached, epoch, accuracy = False, 0, 0.0
-    while not reached and samples < max_samples and time.perf_counter() - start < args.max_seconds:
+    while not reached and samples < max_samples and clock.seconds() < args.max_seconds:
         prepared.set_epoch(epoch)
         took = micro
         for x, y in prepared.loader:
@@ -284,16 +311,20 @@ def _to_target(args: argparse.Namespace, contender_prepare: Callable[[Job], Prep
                 accuracy = _accuracy(prepared.model, held_out)
                 reached = _agree(accuracy >= target)
                 eval_seconds += time.perf_counter() - began
-                curve.append({"seconds": time.perf_counter() - start, "samples": samples, "accuracy": accuracy})
+                curve.append({"seconds": clock.seconds(), "samples": samples, "accuracy": accuracy})
                 # The next multiple of `every`: a step larger than `every` evaluates once, and the
                 # schedule does not fall behind when a larger batch later shrinks again.
                 next_eval = (samples // every + 1) * every
-                if reached or samples >= max_samples or time.perf_counter() - start >= args.max_seconds:
+                if reached or samples >= max_samples or clock.seconds() >= args.max_seconds:
                     break
+                # Taking turns, a turn ends at the first evaluation past --turn-seconds; the ranks
+                # agree (rank 0's clock), so that all of them wait for the same turn.
+                if turns is not None and _agree(clock.in_turn() >= args.turn_seconds):
+                    clock.wait(turns)
         if micro == took:  # the loader ended at once: phalanx's train.max_steps (a `phalanx tune` trial)
             break
         epoch += 1
-    seconds = time.perf_counter() - start
+    seconds = clock.seconds()
     prepared.close()
     return {
         "task": task.name,
