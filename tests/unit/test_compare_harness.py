@@ -268,18 +268,34 @@ def test_contenders_without_their_config_option_are_skipped_with_a_line(tmp_path
     assert "--time-config names no file for teacher, gpt; give task=FILE for each task run" in capsys.readouterr().err
 
 
-def test_run_all_launches_each_contender_with_its_own_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("together", [True, False], ids=["taking turns", "one at a time"])
+def test_run_all_launches_each_contender_with_its_own_file(tmp_path, monkeypatch, together):
     (tmp_path / "tuned.yaml").write_text("batch:\n  micro_batch_size: 512\n", encoding="utf-8")
-    args = compare.parse_args(
-        ["--time-to-target", "--tasks", "digits,gpt", "--repeats", "1", "--tuned-config", str(tmp_path / "tuned.yaml")]
-    )
-    launched = []
+    given = [
+        "--time-to-target",
+        "--tasks",
+        "digits,gpt",
+        "--repeats",
+        "1",
+        "--tuned-config",
+        str(tmp_path / "tuned.yaml"),
+    ]
+    args = compare.parse_args(given + ([] if together else ["--one-at-a-time"]))
+    launched, groups = [], []
 
     def fake_launch(contender, n, repeat, run_dir, worker_args, *, timeout, config_file=None):
         launched.append((contender.name, worker_args[1], _read(config_file)))
         return Outcome(contender.name, n, repeat, 1.0, {"task": {}}, None, 0, "log")
 
-    monkeypatch.setattr(compare, "launch", fake_launch)
+    def fake_together(specs, n, repeat, directory, *, timeout):
+        groups.append({s.worker_args[1] for s in specs})  # one group per task: every contender of it at once
+        return [
+            fake_launch(s.contender, n, repeat, s.run_dir, s.worker_args, timeout=timeout, config_file=s.config_file)
+            for s in specs
+        ]
+
+    monkeypatch.setattr(compare, "launch", fake_launch if not together else None)
+    monkeypatch.setattr(compare, "launch_together", fake_together if together else None)
     monkeypatch.setattr(compare, "_progress", lambda *a: "")
     outcomes, failures = compare.run_all(args, tmp_path, lambda contender, unit, n: ["--task", unit])
     assert failures == []
@@ -299,6 +315,7 @@ def test_run_all_launches_each_contender_with_its_own_file(tmp_path, monkeypatch
         key=str,
     )
     assert {o.unit for o in outcomes} == {"digits", "gpt"}
+    assert groups == ([{"digits"}, {"gpt"}] if together else [])
 
 
 # --- the GPT task's accuracy ---------------------------------------------------------------------
@@ -352,7 +369,8 @@ def test_gpt_task_chain_follows_its_table_from_the_third_token():
 
 
 def _loop_args(**extra) -> argparse.Namespace:
-    base = dict(task="tiny", target=2.0, eval_every=8, max_samples=88, max_seconds=30.0)
+    base = dict(task="tiny", contender="raw", target=2.0, eval_every=8, max_samples=88, max_seconds=30.0)
+    base.update(turn_seconds=1.0)
     base.update(lr_scale=1.0, warmup_steps=0, warmup_start=0.0)
     return argparse.Namespace(**{**base, **extra})
 
@@ -404,6 +422,34 @@ def test_a_loader_that_yields_nothing_ends_the_loop_at_once(monkeypatch):
     began = time.perf_counter()
     result = common._to_target(_loop_args(), prepare, 1)
     assert time.perf_counter() - began < 5 and result["samples"] == 0 and not result["reached"]
+
+
+def test_taking_turns_the_clock_leaves_out_the_waits_and_a_turn_ends_at_an_evaluation(monkeypatch):
+    """Set-up waits for a turn; then a turn ends at the first evaluation past --turn-seconds (0
+    here: every evaluation), and the time spent waiting is in no figure."""
+    monkeypatch.setattr(common, "TASKS", {"tiny": _tiny_task()})
+    waits = []
+
+    class Waiting:
+        def wait(self):
+            waits.append(len(taken))
+            time.sleep(0.3)
+
+    monkeypatch.setattr(common, "_turns", lambda contender: Waiting())
+    taken = []
+
+    def prepare(job):
+        rows = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(22)]
+        return common.Prepared(nn.Linear(3, 2), rows, lambda x, y: taken.append(len(x)), lambda epoch: None, 1)
+
+    began = time.perf_counter()
+    result = common._to_target(_loop_args(turn_seconds=0.0), prepare, 1)
+    wall = time.perf_counter() - began
+    # Evaluations at 8, 16, ..., 88 samples: a turn ends after each but the last (the loop ends there).
+    assert waits == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+    assert result["seconds"] < wall - 0.3 * len(waits) + 0.2
+    assert all(a["seconds"] <= b["seconds"] for a, b in zip(result["curve"], result["curve"][1:]))
+    assert result["curve"][-1]["seconds"] < 0.3
 
 
 # --- verdicts ------------------------------------------------------------------------------------
