@@ -316,12 +316,12 @@ def launch_together(specs: list[Spec], nproc: int, repeat: int, directory: Path,
     directory.mkdir(parents=True)
     env = {turns.ENV: str(directory)}
     launches: dict[str, Running] = {}
+    conductor = turns.Conductor(directory, {spec.contender.name: nproc for spec in specs})  # before the workers
     try:
         for spec in specs:
             launches[spec.contender.name] = start(
                 spec.contender, nproc, repeat, spec.run_dir, spec.worker_args, config_file=spec.config_file, env=env
             )
-        conductor = turns.Conductor(directory, {name: nproc for name in launches})
         names = list(launches)
         shift = repeat % len(names)
         conductor.run(
@@ -334,6 +334,7 @@ def launch_together(specs: list[Spec], nproc: int, repeat: int, directory: Path,
     finally:  # also on Ctrl-C: nothing of these launches outlives them
         for running in launches.values():
             stop(running)
+        conductor.close()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
