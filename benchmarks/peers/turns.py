@@ -36,6 +36,7 @@ CONDUCTOR = "conductor"
 DONE = "done"
 WAKE_S = 0.5  # how often a waiting conductor looks whether its launches still run
 START_S = 60.0  # how long a worker waits for the conductor's pipe to appear
+ORPHAN_CHECK_S = 1.0  # how often a waiting worker looks whether the conductor is still there
 
 
 def grant_path(directory: Path, contender: str, rank: int) -> Path:
@@ -84,9 +85,20 @@ class Turns:
         self._tell(str(self.number))
         wanted = str(self.number).encode()
         while True:
+            ready, _, _ = select.select([self._grants], [], [], ORPHAN_CHECK_S)
+            if not ready:
+                self._check_conductor()
+                continue
             *lines, self._unread = (self._unread + os.read(self._grants, 64)).split(b"\n")
             if wanted in lines:
                 return
+
+    def _check_conductor(self) -> None:
+        """A driver killed without its clean-up leaves no one to grant a turn: end, not wait for ever."""
+        try:
+            os.close(os.open(self.directory / CONDUCTOR, os.O_WRONLY | os.O_NONBLOCK))  # no reader: ENXIO
+        except OSError:
+            raise SystemExit(f"{self.contender} rank {self.rank}: the driver that grants the turns is gone") from None
 
     def done(self) -> None:
         self._open()

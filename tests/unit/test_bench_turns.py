@@ -142,3 +142,16 @@ def test_a_rank_that_dies_after_asking_is_dropped_at_its_grant(tmp_path):
         assert time.monotonic() - started < 5 and conductor.granted["w"] == 0
     finally:
         conductor.close()
+
+
+def test_a_waiting_rank_ends_when_the_conductor_is_gone(tmp_path):
+    conductor = turns.Conductor(tmp_path, {"w": 1})
+    proc = _worker(tmp_path, "t.wait()")
+    try:
+        deadline = time.monotonic() + 30
+        while conductor.asks("w") != ["1"] and time.monotonic() < deadline:
+            conductor.receive(0.1)
+        conductor.close()  # as a driver killed with SIGKILL would leave it
+        assert proc.wait(timeout=10) == 1
+    finally:
+        proc.kill()
