@@ -41,6 +41,7 @@ from peers.driver import (
     Outcome,
     Spec,
     config_file,
+    end_on_sigterm,
     launch,
     launch_together,
     missing_dependency,
@@ -110,6 +111,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="time to target: give up a run after this much training (default 240; --quick: 30)",
     )
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a launch is killed (default 600)")
+    parser.add_argument(
+        "--turn-seconds",
+        type=float,
+        default=1.0,
+        help="time to target, taking turns: training a turn lasts at least, to the next evaluation (default 1)",
+    )
     parser.add_argument(
         "--one-at-a-time",
         action="store_true",
@@ -332,7 +339,7 @@ def time_to_target(args: argparse.Namespace, scratch: Path) -> dict:
         notes.append(f"phalanx's config did not resolve ({why}); the raw loop keeps the task's learning rate unscaled")
 
     def worker_args(contender, task: str, n: int) -> list[str]:
-        out = ["--task", task, "--max-seconds", str(args.max_seconds)]
+        out = ["--task", task, "--max-seconds", str(args.max_seconds), "--turn-seconds", str(args.turn_seconds)]
         if task in args.targets:
             out += ["--target", str(args.targets[task])]
         if contender.launcher == "torchrun" and optim is not None:
@@ -358,6 +365,7 @@ def time_to_target(args: argparse.Namespace, scratch: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    end_on_sigterm()
     for line in args.skipped:
         print(f"compare: {line}", file=sys.stderr)
     out = Path(args.out)

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     sections.add_out_argument(parser)
     args = parser.parse_args(argv)
+    driver.end_on_sigterm()
     sizes = [int(s) for s in args.sizes.split(",")]
     unknown = [s for s in sizes if s not in STEP_SIZES]
     if unknown:

@@ -337,6 +337,11 @@ def launch_together(specs: list[Spec], nproc: int, repeat: int, directory: Path,
         conductor.close()
 
 
+def end_on_sigterm() -> None:
+    """SIGTERM ends a driver through its clean-up, as Ctrl-C does: no launch of it outlives it."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)

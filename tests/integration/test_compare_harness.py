@@ -9,9 +9,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
+from tests.helpers import processes
 from tests.helpers.cli import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -125,3 +127,33 @@ def test_overhead_takes_turns_end_to_end(tmp_path):
     phalanx = figures["2"]["1"]["phalanx"]
     assert phalanx["ratios"] and all(r > 0 for r in phalanx["ratios"])
     assert "taking turns" in (out / "benchmarks.md").read_text()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_driver_ends_every_launch_taking_turns(tmp_path):
+    """The driver's clean-up runs on SIGTERM too: no worker of the launches it started (each in a
+    session of its own under torch elastic) is left waiting for a turn."""
+    tag = processes.new_tag()
+    args = ["--quick", "--sizes", "1", "--nproc-list", "2", "--contenders", "raw,phalanx", "--timeout", "100"]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "overhead.py"), *args],
+        cwd=REPO,
+        env={**os.environ, **tag},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(processes.tagged(tag)) < 5 and time.monotonic() < deadline:  # driver, 2 launchers, workers
+            time.sleep(0.2)
+        seen = processes.tagged(tag)
+        assert len(seen) >= 5, "the launches did not start"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        _, alive = processes.wait_gone(tag, within=20, known=seen)
+        assert alive == []
+    finally:
+        processes.kill_tagged(tag)
+        proc.kill()
