@@ -2,8 +2,9 @@
 then ``finish``), and collecting what they wrote.
 
 raw DDP, Accelerate and Fabric start under torchrun (``python -m torch.distributed.run
---standalone``), phalanx under ``phalanx launch``; every launch gets the same OMP_NUM_THREADS
-(phalanx's rule: the machine's cores divided by the processes) and runs in a fresh directory of
+--standalone``), phalanx under ``phalanx launch``; every launch gets the same malloc thresholds
+(STEADY_MALLOC) and OMP_NUM_THREADS (phalanx's rule: the machine's cores divided by the
+processes) and runs in a fresh directory of
 its own, with its output in ``launch.log`` there. A launch that fails, times out or writes no
 result is recorded with the reason, and the benchmark goes on.
 """
@@ -25,6 +26,14 @@ from peers import turns
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = HERE.parent
+
+
+# glibc's malloc hands a freed heap top back to the system once it passes a threshold that it moves
+# as the process frees large blocks, so whether a step's tensors come back as fresh pages (thousands
+# of page faults a step, 5-8 ms on a 60 ms step) depends on the order of each process's earlier
+# allocations: one launch ran 10% slower than another with the same code. Fixed thresholds keep the
+# freed memory for the next step in every launch alike (glibc reads them at start; others ignore them).
+STEADY_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,7 @@ def start(
     # launcher's group; this token in their environment finds them if they outlive the launch.
     token = f"phalanx-compare-{uuid.uuid4().hex}"
     environ = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(nproc)), "PHALANX_COMPARE_LAUNCH": token}
+    environ.update(STEADY_MALLOC)
     environ.update(env or {})
     environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), environ.get("PYTHONPATH", "")) if p)
     cmd = command(contender, nproc, run_dir, worker_args, config_file)
