@@ -135,7 +135,8 @@ def test_sigterm_to_the_driver_ends_every_launch_taking_turns(tmp_path):
     """The driver's clean-up runs on SIGTERM too: no worker of the launches it started (each in a
     session of its own under torch elastic) is left waiting for a turn."""
     tag = processes.new_tag()
-    args = ["--quick", "--sizes", "1", "--nproc-list", "2", "--contenders", "raw,phalanx", "--timeout", "100"]
+    # Full-length steps (tens of seconds of training), so the launches are still there at the signal.
+    args = ["--sizes", "10", "--repeats", "1", "--nproc-list", "2", "--contenders", "raw,phalanx", "--timeout", "100"]
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "overhead.py"), *args],
         cwd=REPO,
