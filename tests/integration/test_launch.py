@@ -73,10 +73,19 @@ def test_script_arguments_and_config_reach_the_workers(tmp_path):
 
 
 def test_two_jobs_at_once_do_not_collide(tmp_path):
-    cmd = [sys.executable, "-m", "phalanx", "launch", "--cpu", str(EXAMPLES / "torchrun_plain.py")]
+    """Two launches of one script in one folder in the same second get run directories of their
+    own. Each has its own checkpoint directory: one shared by two running jobs is refused by
+    design (checkpoint/lock.py), and whether the second saw the first's depends on timing."""
+    cmd = [sys.executable, "-m", "phalanx", "launch", "--cpu"]
     procs = [
-        subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
+        subprocess.Popen(
+            [*cmd, "--set", f"checkpoint.dir=checkpoints-{i}", str(EXAMPLES / "torchrun_plain.py")],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
     ]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
