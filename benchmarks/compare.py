@@ -143,6 +143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.steps = 8 if args.steps is None else args.steps
     args.max_seconds = args.max_seconds or (30.0 if args.quick else 240.0)
     args.timeout = args.timeout or 600.0
+    if args.turn_seconds < 0:
+        parser.error(f"--turn-seconds must be 0 or more, got {args.turn_seconds:g}")
     for name, known, what in (
         (args.contenders, CONTENDERS, "contender"),
         (args.workloads, WORKLOADS, "workload"),

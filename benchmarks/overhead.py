@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     sections.add_out_argument(parser)
     args = parser.parse_args(argv)
+    if args.blocks < 1:
+        parser.error(f"--blocks must be at least 1, got {args.blocks}")
     driver.end_on_sigterm()
     sizes = [int(s) for s in args.sizes.split(",")]
     unknown = [s for s in sizes if s not in STEP_SIZES]
@@ -168,7 +170,7 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 
 
 def report(
-    say, figures_by: dict, contenders: list, nprocs: int, sizes: list[int], repeats: int, together: bool
+    say, figures_by: dict, contenders: list, nprocs: list[int], sizes: list[int], repeats: int, together: bool
 ) -> dict:
     others = [c for c in contenders if c.name != "raw"]
     figures: dict = {}

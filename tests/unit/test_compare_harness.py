@@ -546,3 +546,10 @@ def test_verdicts_when_every_target_is_met_and_when_neither_goodput_contender_ra
         "over all tasks (teacher): never above 1.0x for every phalanx contender: not met, phalanx tuned (time) "
         "(teacher: no ratio).",
     ]
+
+
+def test_a_negative_turn_length_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        compare.parse_args(["--time-to-target", "--turn-seconds", "-1"])
+    assert exit_.value.code == 2
+    assert "--turn-seconds must be 0 or more, got -1" in capsys.readouterr().err
