@@ -437,6 +437,18 @@ def shuffles(loader: DataLoader) -> bool:
 
 def _batch_len(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor, else the length of its first list."""
+    # The usual batch, a tensor or a tuple, list or dict whose first entry is one, without a walk
+    # over the whole batch: this runs for every batch handed out.
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    if isinstance(first, torch.Tensor) and first.dim():
+        return first.shape[0]
+    return _walked_batch_len(batch)
+
+
+def _walked_batch_len(batch: Any) -> int:
+    """_batch_len over the whole batch, in map_tensors' order."""
     found: list[int] = []
     map_tensors(batch, lambda t: found.append(t.shape[0]) if t.dim() else None)
     if found:
