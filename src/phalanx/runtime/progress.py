@@ -102,7 +102,9 @@ def track(
         TimeRemainingColumn(),
         TextColumn("{task.fields[status]}"),
     ]
-    with Progress(*columns, console=console, refresh_per_second=1 / _REFRESH_S) as bar:
+    # Drawn from the training thread at its redraws: rich's own refresh thread would wake 4 times a
+    # second to render, taking its time from the training threads where they fill the cores.
+    with Progress(*columns, console=console, auto_refresh=False) as bar:
         task = bar.add_task(description, total=total, status="")
         last = 0.0
 
@@ -130,7 +132,7 @@ def _redraw(bar: Any, task: Any, meter: Throughput, per_batch: int, loss: Callab
     """A refresh of the bar, every ``_REFRESH_S`` seconds: the only place it reads the loss from
     the device."""
     status = _status(loss(), meter.per_second, meter.data_share)
-    bar.update(task, completed=_count(meter, per_batch), status=status)
+    bar.update(task, completed=_count(meter, per_batch), status=status, refresh=True)
     return status
 
 
