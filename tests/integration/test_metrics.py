@@ -39,3 +39,41 @@ def test_launch_writes_records_and_names_the_slowed_rank(tmp_path):
     assert "phalanx: straggler: rank 1:" in result.stdout and "work p50" in result.stdout
     if (run_dir / "tensorboard").is_dir():
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# -- a script that never closes its Session -----------------------------------------------------
+UNCLOSED = """
+import sys
+import torch
+from torch import nn
+import phalanx
+
+session = phalanx.Session(train={"progress": False})
+model = nn.Linear(4, 1)
+model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(int(sys.argv[1])):
+    with session.accumulate(model):
+        session.backward(model(torch.randn(8, 4)).square().mean())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("steps", [1, 7])
+def test_a_script_that_never_closes_keeps_every_record_and_exits_quietly(tmp_path, steps):
+    """phalanx closes the Session at exit. Under `phalanx launch` every record reaches the file; run
+    as plain `python`, the last flush met the metrics thread's pool already shut down by the
+    interpreter, which printed a traceback at every exit."""
+    import subprocess
+    import sys
+
+    (tmp_path / "unclosed.py").write_text(UNCLOSED)
+    result = run_phalanx("launch", "--cpu", "--nproc", "1", "unclosed.py", str(steps), cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    assert "Traceback" not in result.output and "Exception ignored" not in result.output, result.output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert [r["step"] for r in read_records(run_dir / "metrics")[0]] == list(range(1, steps + 1))
+    plain = subprocess.run(
+        [sys.executable, "unclosed.py", str(steps)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert "Traceback" not in plain.stderr and "Exception ignored" not in plain.stderr, plain.stderr
