@@ -45,7 +45,7 @@ class Board:
         return self._writer
 
     def write(self, records: list[dict[str, Any]]) -> None:
-        """One point per call (a metrics flush: every 50 steps or once a second): each scalar's mean
+        """One point per call (a metrics flush: every 500 steps or once a second): each scalar's mean
         over the records (the peak memory's largest), at the last record's step. A point per step
         cost about 40 us per step in protobuf work on the training thread, 4% of a 1 ms step; the
         JSONL files keep every step."""

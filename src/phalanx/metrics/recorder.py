@@ -1,7 +1,7 @@
 """One record per optimizer step, kept by the Session: JSONL in ``<run dir>/metrics/rank<N>.jsonl``,
 TensorBoard scalars on rank 0, the profiler window and the FLOPs count for MFU.
 
-Loss and gradient norm stay tensors until a flush (every 50 steps or once a second, whichever
+Loss and gradient norm stay tensors until a flush (every 500 steps or once a second, whichever
 comes first), so recording never makes the host wait for the device in the middle of a step; the
 flush hands the records to a thread that reads them all at once and writes the rows (rows.py).
 """
@@ -27,7 +27,10 @@ from phalanx.metrics.summary import FLOPS_FILE, summarize
 from phalanx.topology import Topology
 
 _FLUSH_S = 1.0
-_FLUSH_STEPS = 50
+# A flush hands its records to the metrics thread, and the hand-over itself cost the training thread
+# about 0.7 ms a flush on 2 busy cores (measured with nothing to write): once a second, or per 500
+# steps where steps are fast, keeps it near 0.1% of a run of 1 ms steps, where every 50 steps cost 1.4%.
+_FLUSH_STEPS = 500
 _KEPT = 10_000  # records kept in memory (``records``), the most recent ones
 
 

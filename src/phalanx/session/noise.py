@@ -29,7 +29,7 @@ from phalanx.runtime.noise_scale import NoiseScale
 from phalanx.strategies import Strategy
 from phalanx.topology import Topology
 
-_REMEMBERED = 1000  # values kept for the records not yet written (a flush writes at most 50)
+_REMEMBERED = 1000  # values kept for the records not yet written (a flush writes at most 500)
 
 
 class NoiseProbe:
