@@ -4,8 +4,9 @@ thread of its own.
 A flush costs the host about 7 us a record on 2 CPU cores (reading the losses, a dict, a JSON line;
 TensorBoard's protobufs where it is on), which on a 1 ms step is 0.7% of training time. On its own
 thread the work runs while the training thread is inside torch (which releases the GIL), and the
-read of the losses never makes the training thread wait for the device. Rows are written in the order of their
-flushes; ``drain()`` waits for every row handed over so far, and re-raises what writing them raised.
+read of the losses never makes the training thread wait for the device. Rows are written in the
+order of their flushes; ``drain()`` waits for every row handed over so far, and re-raises what
+writing them raised.
 """
 
 from __future__ import annotations
