@@ -123,7 +123,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="launch the contenders one after another (before 2026-12-07) instead of all at once, taking turns",
     )
     parser.add_argument(
-        "--out", default="docs", help="where benchmarks.json, benchmarks.md and images/ go (default docs)"
+        "--out",
+        default=None,
+        help="where benchmarks.json, benchmarks.md and images/ go (default docs for a whole run; a run of part of "
+        "the workloads or tasks, or of fewer steps, goes to a directory of its own unless --out says otherwise)",
     )
     parser.add_argument(
         "--keep-runs",
@@ -133,6 +136,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     target = args.time_to_target
+    # A run of part of the table would replace the whole published section with its part.
+    partial = (
+        (args.tasks != ",".join(TASKS) if target else args.workloads != ",".join(WORKLOADS))
+        or args.quick
+        or args.tiny
+        or args.steps is not None
+        or args.warmup is not None
+    )
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="phalanx-compare-out-") if partial else "docs"
+        if partial:
+            print(f"compare: a partial run: its figures go to {args.out}, not docs/ (--out docs puts them there)")
     args.contenders = (args.contenders or (TARGET_CONTENDERS if target else THROUGHPUT_CONTENDERS)).split(",")
     args.nprocs = [int(n) for n in (args.nproc_list or ("2" if target else "1,2")).split(",")]
     args.repeats = args.repeats or (1 if args.quick else 3)

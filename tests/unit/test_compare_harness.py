@@ -553,3 +553,26 @@ def test_a_negative_turn_length_is_refused_in_one_line(capsys):
         compare.parse_args(["--time-to-target", "--turn-seconds", "-1"])
     assert exit_.value.code == 2
     assert "--turn-seconds must be 0 or more, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, to_docs",
+    [
+        ([], True),
+        (["--time-to-target"], True),
+        (["--contenders", "raw,phalanx"], True),  # every workload still: the section stays whole
+        (["--workloads", "conv"], False),
+        (["--time-to-target", "--tasks", "digits"], False),
+        (["--quick"], False),
+        (["--steps", "100"], False),
+        (["--warmup", "1"], False),
+    ],
+)
+def test_a_partial_run_does_not_replace_the_published_section(argv, to_docs, capsys):
+    """A run of one workload wrote its one table over docs/benchmarks.md's whole throughput section."""
+    args = compare.parse_args(argv)
+    assert (args.out == "docs") is to_docs
+    if not to_docs:
+        assert Path(args.out).is_dir() and "not docs/" in capsys.readouterr().out
+        Path(args.out).rmdir()
+    assert compare.parse_args([*argv, "--out", "docs"]).out == "docs"
