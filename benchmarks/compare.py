@@ -144,10 +144,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         or args.steps is not None
         or args.warmup is not None
     )
-    if args.out is None:
-        args.out = tempfile.mkdtemp(prefix="phalanx-compare-out-") if partial else "docs"
-        if partial:
-            print(f"compare: a partial run: its figures go to {args.out}, not docs/ (--out docs puts them there)")
     args.contenders = (args.contenders or (TARGET_CONTENDERS if target else THROUGHPUT_CONTENDERS)).split(",")
     args.nprocs = [int(n) for n in (args.nproc_list or ("2" if target else "1,2")).split(",")]
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -186,6 +182,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if value:
             args.files[option] = config_files(value, option, args.tasks if target else None, parser.error)
     args.contenders, args.skipped = runnable(args.contenders, args.files)
+    if args.out is None:  # only once the arguments are known good: no directory, no line, for a refused run
+        args.out = tempfile.mkdtemp(prefix="phalanx-compare-out-") if partial else "docs"
+        if partial:
+            print(f"compare: a partial run: its figures go to {args.out}, not docs/ (--out docs puts them there)")
     return args
 
 

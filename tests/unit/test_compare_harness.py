@@ -576,3 +576,12 @@ def test_a_partial_run_does_not_replace_the_published_section(argv, to_docs, cap
         assert Path(args.out).is_dir() and "not docs/" in capsys.readouterr().out
         Path(args.out).rmdir()
     assert compare.parse_args([*argv, "--out", "docs"]).out == "docs"
+
+
+def test_a_refused_partial_run_makes_no_output_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(compare.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--workloads", "nonesuch"])
+    captured = capsys.readouterr()
+    assert "unknown workload nonesuch" in captured.err and "partial run" not in captured.out
+    assert list(tmp_path.iterdir()) == []
