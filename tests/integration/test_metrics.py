@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -63,9 +65,6 @@ def test_a_script_that_never_closes_keeps_every_record_and_exits_quietly(tmp_pat
     """phalanx closes the Session at exit. Under `phalanx launch` every record reaches the file; run
     as plain `python`, the last flush met the metrics thread's pool already shut down by the
     interpreter, which printed a traceback at every exit."""
-    import subprocess
-    import sys
-
     (tmp_path / "unclosed.py").write_text(UNCLOSED)
     result = run_phalanx("launch", "--cpu", "--nproc", "1", "unclosed.py", str(steps), cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.output
