@@ -60,7 +60,12 @@ class RowWriter:
         while self._writing and self._writing[0].done():
             self._writing.popleft().result()  # an error writing an earlier flush surfaces at this one
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-metrics")
+            # A new thread's current device is GPU 0: the stream switch in _write would make it current
+            # there and put a CUDA context (~0.5 GiB) on GPU 0 for every rank of another GPU.
+            device = _index(self._cuda) if self._cuda is not None else None
+            self._pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="phalanx-metrics", initializer=_use_device, initargs=(device,)
+            )
         # A thread starts on the default stream: the read must queue behind the training thread's
         # kernels, on the stream they ran on.
         stream = torch.cuda.current_stream(self._cuda) if self._cuda is not None else None
@@ -96,6 +101,15 @@ class RowWriter:
             self._file.flush()
         if self._board is not None:
             self._board.write(rows)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _use_device(index: int | None) -> None:
+    if index is not None:
+        torch.cuda.set_device(index)
 
 
 def _filled(rec: tuple, values: dict[int, Any], noise: dict[int, float | None]) -> list[Any]:
