@@ -33,22 +33,29 @@ STRATEGIES = ("ddp", "zero1")
 TIMEOUT_S = 120
 
 
-def worker(strategy: str, steps: int) -> dict:
+def worker(strategy: str, steps: int, precision: str = "fp32") -> dict:
     """One rank: the MLP on teacher data, as workloads.train_mlp trains it in one process."""
     with quiet():
-        run = session(strategy, batch={"global_batch_size": GLOBAL}, data={"prefetch_to_device": True})
+        run = session(
+            strategy, batch={"global_batch_size": GLOBAL}, data={"prefetch_to_device": True}, precision=precision
+        )
         model = make_model()
+        dtypes = []  # what the first layer computes in: autocast's dtype (ddp.py checks bf16 and fp16)
+        model[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         model, optimizer = run.setup(model, optimizer)
         data = torch.utils.data.DataLoader(teacher_data(GLOBAL * steps), batch_size=GLOBAL, shuffle=False)
         loader = run.setup_loader(data, train=True)
-        train_losses(run, model, loader)
+        losses = train_losses(run, model, loader)
         facts = {
             "device": str(run.device),
             "parameters_on": sorted({str(local(p).device) for p in run.unwrap(model).parameters()}),
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "transfer": type(loader.transfer).__name__,
             "steps": run.step_count,
+            "losses": losses,
+            "dtype": str(dtypes[0]).removeprefix("torch.") if dtypes else None,
+            "scaler": run.precision.scaler is not None,
             "weights": {k: v.detach().float().cpu() for k, v in run.model_state_dict().items()},
         }
         run.close()

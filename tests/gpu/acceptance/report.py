@@ -46,10 +46,15 @@ class PartResult:
     budget_s: float
     seconds: float
     checks: list[Check]
+    not_run: bool = False  # left out by run.py --time-limit
 
     @property
     def over_budget(self) -> bool:
         return self.seconds > self.budget_s
+
+
+def skipped_part(part: Part, reason: str) -> PartResult:
+    return PartResult(part.name, part.covers, part.budget_s, 0.0, [Check("not run", None, reason, "-")], True)
 
 
 def run_part(part: Part) -> PartResult:
@@ -91,7 +96,7 @@ def print_table(header: str, results: list[PartResult]) -> None:
     for name, status, figure in rows:
         print(f"{name:<{width}}  {status:4s}  {figure}")
     print()
-    for r in results:
+    for r in (r for r in results if not r.not_run):
         late = f"  OVER its {r.budget_s:.0f}s budget" if r.over_budget else ""
         print(f"{r.name:<20} {r.seconds:6.1f}s (budget {r.budget_s:.0f}s){late}")
 
@@ -107,6 +112,7 @@ def write_json(path: Path, facts: dict, results: list[PartResult]) -> None:
                 "budget_s": r.budget_s,
                 "seconds": round(r.seconds, 2),
                 "over_budget": r.over_budget,
+                "not_run": r.not_run,
                 "checks": [asdict(c) | {"status": c.status} for c in r.checks],
             }
             for r in results
