@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Callable, Iterator
 
+from phalanx.faults.device_progress import ALLOWANCE_S, DeviceProgress
 from phalanx.faults.markers import HANG_EXIT, hang_dump
 
 # While a checkpoint is written or read, the disk sets the pace: a hang there is only called one
@@ -49,7 +50,8 @@ class Watchdog:
     """``timeout`` is faults.hang_timeout; ``first_step_timeout`` (faults.first_step_timeout, 0: no
     limit) replaces it from :meth:`expect_first_step` (training begins) until :meth:`stepped`
     (the first optimizer step finished): a first step compiles, autotunes and warms up
-    communication, which may take many times as long as the steps after it."""
+    communication, which may take many times as long as the steps after it. ``progress`` (on CUDA):
+    the device's step ends, whose state goes into the dump (see device_progress.py)."""
 
     def __init__(
         self,
@@ -59,12 +61,14 @@ class Watchdog:
         attempt: int = 0,
         *,
         first_step_timeout: float = 0.0,
+        progress: DeviceProgress | None = None,
         exit: Callable[[int], None] = os._exit,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.timeout = timeout
         self.first_step_timeout = first_step_timeout
         self.rank = rank
+        self.progress = progress
         self.dump = hang_dump(run_dir, attempt, rank)
         self.dump_dir = self.dump.parent if self.dump is not None else None
         self._exit = exit
@@ -91,6 +95,8 @@ class Watchdog:
         """An optimizer step finished: hang_timeout holds from here on."""
         self.has_stepped = True
         self._first_step = False
+        if self.progress is not None:
+            self.progress.step_ended()
         self.beat()
 
     @contextlib.contextmanager
@@ -156,7 +162,9 @@ class Watchdog:
                 self._fire(headline)
                 # Give the other ranks a moment to see the marker and dump their stacks before the
                 # launcher, seeing this process gone, stops them.
-                time.sleep(min(2.0, 4 * poll) if self.dump_dir is not None else 0)
+                # On a GPU their dumps wait for their devices' answers too.
+                allowance = ALLOWANCE_S if self.progress is not None else 0.0
+                time.sleep(min(2.0, 4 * poll) + allowance if self.dump_dir is not None else 0)
                 self._exit(HANG_EXIT)
                 return
 
@@ -172,8 +180,11 @@ class Watchdog:
         frame = sys._current_frames().get(self._main)  # noqa: SLF001 - the only way to read another thread's frame
         where = describe_wait(frame) if frame is not None else "unknown (main thread not found)"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        # Asked after the stack is taken: the main thread's place is what it was when the hang was seen.
+        device = f"{self.progress.facts().line()}\n" if self.progress is not None else ""
         text = (
             f"phalanx: hang: {headline}; waiting in {where}\n"
+            f"{device}"
             f"stack of rank {self.rank} (most recent call last):\n{stack}"
         )
         self.fired = text

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 from phalanx.faults import markers
 
 if TYPE_CHECKING:
+    from phalanx.faults.device_progress import DeviceFacts
     from phalanx.faults.watchdog import Wait
 
 _LOG_TAIL_LINES = 15
@@ -76,7 +77,10 @@ def report_hang(run_dir: Path) -> int:
     for dump in dumps:
         lines = dump.read_text(encoding="utf-8", errors="replace").splitlines()
         _err(f"  {lines[0].removeprefix('phalanx: hang: ') if lines else dump.stem}")
-        stack = [line for line in lines[2:] if line.strip()]
+        begins = next((i for i, line in enumerate(lines) if line.startswith("stack of rank")), 1)
+        for line in lines[1:begins]:  # what the rank's device had done, on a GPU
+            _err(f"    {line}")
+        stack = [line for line in lines[begins + 1 :] if line.strip()]
         for line in stack[-_STACK_LINES:]:
             _err(f"    | {line}")
     _err(f"phalanx: full stacks in {hang_dir}; see docs/faults.md for what to look for")
@@ -87,10 +91,18 @@ def hang_summary(dumps: Mapping[int, str], silent: Iterable[int] = ()) -> str:
     """The hang's one-line verdict from every rank's dump (rank -> text): the ranks outside any
     collective are the hung ones, the ranks inside one were waiting for them. Which rank's watchdog
     fired first says nothing: every rank stops making progress at about the same moment. ``silent``:
-    ranks that left no dump (their watchdog could not run, or they were already gone)."""
-    from phalanx.faults.watchdog import classify, parse_stack  # only a hang needs it: not at start-up
+    ranks that left no dump (their watchdog could not run, or they were already gone). On a GPU the
+    dumps also say what each device had done, which decides where the stacks cannot (see
+    :func:`_device_verdict`)."""
+    # Only a hang needs them: not at start-up.
+    from phalanx.faults.device_progress import parse_device_line
+    from phalanx.faults.watchdog import classify, parse_stack
 
     waits = {rank: classify(parse_stack(text)) for rank, text in sorted(dumps.items())}
+    devices = {rank: parse_device_line(text) for rank, text in dumps.items()}
+    verdict = _device_verdict(waits, devices, sorted(silent))
+    if verdict is not None:
+        return verdict
     hung = [rank for rank, wait in waits.items() if not wait.waiting]
     waiting = [rank for rank, wait in waits.items() if wait.waiting]
     silent = sorted(silent)
@@ -133,6 +145,82 @@ def hang_summary(dumps: Mapping[int, str], silent: Iterable[int] = ()) -> str:
     return (
         f"phalanx: hang: every rank was waiting in a collective, but not in the same one ({each}): "
         "the ranks took different paths through the code"
+    )
+
+
+def _device_verdict(
+    waits: Mapping[int, Wait], devices: Mapping[int, DeviceFacts | None], silent: list[int]
+) -> str | None:
+    """The verdict from what each rank's GPU had done, or None where it decides nothing (no device
+    facts, one process, every device idle at the same step): then the stacks decide.
+
+    Under NCCL a rank waiting for a stuck peer is outside any collective on the host, blocked in a
+    device sync, while the collective it queued waits on its GPU: its device has work pending. The
+    stuck rank's device ran out of work. So a rank in its own code with an idle device, while other
+    devices hold pending work, is the culprit."""
+    facts = {rank: devices.get(rank) for rank in waits}
+    if not facts or any(f is None or f.pending is None for f in facts.values()):
+        return None
+    if len(facts) == 1 and not silent:
+        return None
+    pending = [rank for rank, f in facts.items() if f.pending]
+    # An idle device whose host waits in communication waits for someone on the host's side.
+    behind = [rank for rank, f in facts.items() if not f.pending and not waits[rank].waiting]
+    no_stack = f"; {_ranks(silent)} left no stack (stuck in native code, or already gone)" if silent else ""
+    on_device = "on the device (collectives queued on their GPUs do not complete)"
+    if pending and behind:
+        them = "it" if len(behind) == 1 else "them"
+        if len(behind) == 1:
+            rank = behind[0]
+            line = (
+                f"rank {rank} stopped making progress after step {facts[rank].host_steps} "
+                f"({_where(waits[rank])}) with nothing left to run on its device"
+            )
+        else:
+            places = "; ".join(f"rank {rank} {_where(waits[rank])}" for rank in behind)
+            line = f"{_ranks(behind)} stopped making progress with nothing left to run on their devices ({places})"
+        were = "was" if len(pending) == 1 else "were"
+        line += f"; {_ranks(pending)} {were} waiting for {them} {on_device}"
+        elsewhere = [rank for rank in waits if rank not in behind and rank not in pending]
+        if elsewhere:
+            line += ", " + ", ".join(f"rank {rank} in {_what(waits[rank])}" for rank in elsewhere)
+        return f"phalanx: hang: {line}{no_stack}"
+    if pending and silent:
+        them, likely = ("it", "it is") if len(silent) == 1 else ("them", "they are")
+        return (
+            f"phalanx: hang: {_ranks(silent)} left no stack (stuck in native code, or already gone), so {likely} "
+            f"the likely hung {'rank' if len(silent) == 1 else 'ranks'}; {_ranks(pending)} "
+            f"{'was' if len(pending) == 1 else 'were'} waiting for {them} {on_device}"
+        )
+    if len(pending) == len(facts):
+        done = {rank: f.device_steps for rank, f in facts.items()}
+        known = [d for d in done.values() if d is not None]
+        if len(known) == len(done) and len(set(known)) > 1:
+            late = [rank for rank, d in done.items() if d == min(known)]
+            return (
+                f"phalanx: hang: every device holds work that does not complete; {_ranks(late)} "
+                f"{'is' if len(late) == 1 else 'are'} behind (its device finished {min(known)} steps, the "
+                f"others {max(known)}): stuck in a kernel of its own, or in communication the others did not start"
+            )
+        each = ", ".join(f"rank {rank} {_where(wait)}" for rank, wait in waits.items())
+        return (
+            "phalanx: hang: every device holds work that does not complete and none is behind: a kernel that never "
+            "finishes, communication that does not complete (check the network and NCCL with phalanx doctor), or "
+            f"ranks that queued different collectives (their hosts: {each})"
+        )
+    if pending or any(wait.waiting for wait in waits.values()):
+        return None
+    steps = {rank: f.host_steps for rank, f in facts.items()}
+    fewest = min(steps.values())
+    if len(set(steps.values())) == 1:
+        return None
+    late = [rank for rank, n in steps.items() if n == fewest]
+    places = "; ".join(f"rank {rank} {_where(waits[rank])}" for rank in late)
+    others = "; ".join(f"rank {rank} {_where(wait)}" for rank, wait in waits.items() if rank not in late)
+    return (
+        f"phalanx: hang: {_ranks(late)} {'is' if len(late) == 1 else 'are'} behind: {fewest} steps ended on "
+        f"{'its host' if len(late) == 1 else 'their hosts'}, {max(steps.values())} on the others' ({places}); "
+        f"every device is idle and no rank is in a collective (the others: {others}){no_stack}"
     )
 
 

@@ -23,6 +23,7 @@ from phalanx.config.schema import Config, parse_period
 from phalanx.errors import PhalanxError
 from phalanx.faults import markers
 from phalanx.faults.agreement import StepAgreement
+from phalanx.faults.device_progress import DeviceProgress
 from phalanx.faults.preempt import TermWatch
 from phalanx.faults.watchdog import Watchdog
 from phalanx.session.state import TrainState
@@ -84,6 +85,7 @@ class Recovery:
                 self.run_dir,
                 topology.restart_count,
                 first_step_timeout=faults.first_step_timeout,
+                progress=DeviceProgress.of(topology.device),
             )
             if launched and faults.hang_timeout > 0
             else None
