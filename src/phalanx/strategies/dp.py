@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.dp_replicas import DataParallel as ReplicaDataParallel
 
 
 class DataParallel(Strategy):
@@ -25,7 +26,7 @@ class DataParallel(Strategy):
             )
         devices = list(range(torch.cuda.device_count())) if self.topology.device.type == "cuda" else None
         # Without CUDA, DataParallel simply calls the module, which keeps this path testable on CPU.
-        return nn.DataParallel(model, device_ids=devices)
+        return ReplicaDataParallel(model, device_ids=devices)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
