@@ -10,6 +10,11 @@ at a step when its work exceeds the median work of the other ranks at that step 
 SLOW_FACTOR (and by at least MIN_EXCESS_S, below which the difference is timer noise). It is a
 straggler when it is slow in at least SLOW_SHARE of at least MIN_STEPS compared steps. When
 several ranks qualify, the one slow most often is named.
+
+The times are the host's. On CUDA a collective returns as soon as it is queued and a fast rank
+waits for the slow one wherever its host next waits for its device, which may fall inside its own
+work: there the rule can miss a straggler, or name a rank that syncs with its device more often
+than the others (docs/metrics.md says what the figure means on a GPU).
 """
 
 from __future__ import annotations
