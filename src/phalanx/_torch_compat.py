@@ -374,3 +374,20 @@ def steps_under_inf(optimizer: Any) -> bool:
     """Whether GradScaler calls this optimizer's step even on an overflow (fused kernels take the
     inf flag and skip the update on the device): its step hooks then fire on skipped steps too."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+# -- a process group's timeout, after the group exists (strategies/base.py's mesh) --------------
+# init_device_mesh takes no timeout: its groups get torch's default (30 min; 10 min for a group
+# split off NCCL's), shorter than the one phalanx gives the world (strategies/collective_timeout.py).
+# Checked on torch 2.13; without the name the mesh's groups keep torch's default.
+
+
+def set_group_timeout(group: Any, timeout: Any) -> bool:
+    """Make ``group``'s collectives wait up to ``timeout`` (a timedelta); False where torch cannot."""
+    from torch.distributed import distributed_c10d
+
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return False
+    setter(timeout, group)
+    return True

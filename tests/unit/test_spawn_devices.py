@@ -52,5 +52,5 @@ def test_the_process_group_on_cuda_is_nccl_unless_gloo_is_asked_for(monkeypatch,
     topology = Topology(rank=0, world_size=2, local_world_size=2, launched=True, device=cuda, gloo_on_cuda=gloo_on_cuda)
     create_strategy(Config(), topology).setup_environment()
     # device_id binds NCCL's communicator to the GPU; gloo has none to bind.
-    kwargs = ["device_id", "rank", "world_size"] if backend != "gloo" else ["rank", "world_size"]
+    kwargs = ["device_id", "rank", "timeout", "world_size"] if backend != "gloo" else ["rank", "timeout", "world_size"]
     assert calls == [("set_device", cuda), (backend, kwargs)]

@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx._torch_compat import set_group_timeout
 from phalanx.config.batch import BatchPlan, plan_batch
 from phalanx.config.schema import Config
 from phalanx.config.sections import BatchConfig, Section, StrategyConfig
 from phalanx.errors import ConfigError
 from phalanx.runtime.noise_scale import squared_norm
 from phalanx.strategies import dtensor_state
+from phalanx.strategies.collective_timeout import collective_timeout
 from phalanx.strategies.construction import Materializer, is_deferred
 from phalanx.strategies.parallel_layout import AXES, DATA_AXES, TENSOR, ParallelLayout
 from phalanx.strategies.plan_rows import PlanRow
@@ -220,22 +222,33 @@ class Strategy:
             self._mesh = init_device_mesh(
                 self.topology.device.type, tuple(self.layout.size(a) for a in names), mesh_dim_names=names
             )
+            if self._owns_process_group:  # a group the script made keeps the script's timeouts
+                for name in names:
+                    set_group_timeout(self._mesh.get_group(name), collective_timeout(self.config.faults))
         return self._mesh
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device this process computes on (its own; more where one process drives several
+        GPUs): what memory is measured and capped on, and whose random generators a checkpoint keeps."""
+        return [self.topology.device]
 
     def setup_environment(self) -> None:
         """Join (or create) the process group when there is more than one process, or when the
         strategy needs one even alone."""
         self.check_world(self.topology.world_size)
+        if self.topology.device.type == "cuda":
+            # Also where the script made the process group itself, or runs alone: torch's bare
+            # "cuda" (and every library kernel) means the current device, which is cuda:0 otherwise.
+            torch.cuda.set_device(self.topology.device)
         alone = self.topology.world_size == 1
         if dist.is_initialized() or (alone and not self.needs_process_group):
             return
         nccl = self.topology.backend == "nccl"
         backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"  # gloo takes CUDA tensors too (gloo_on_cuda)
-        kwargs: dict[str, Any] = {}
-        if self.topology.device.type == "cuda":
-            torch.cuda.set_device(self.topology.device)
-            if nccl:  # binds NCCL's communicator to this GPU; gloo has none to bind
-                kwargs["device_id"] = self.topology.device
+        kwargs: dict[str, Any] = {"timeout": collective_timeout(self.config.faults)}
+        if nccl:  # binds NCCL's communicator to this GPU; gloo has none to bind
+            kwargs["device_id"] = self.topology.device
         if alone:
             kwargs["store"] = dist.HashStore()  # in memory: no launcher variables, no network port
         elif self.topology.agent_store is not None:
