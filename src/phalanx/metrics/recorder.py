@@ -12,7 +12,7 @@ import json
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -45,9 +45,12 @@ class StepRecorder:
         profiler: StepProfiler | None = None,
         peak_flops_per_s: float | None = None,
         summary_at_close: bool = False,
+        devices: Sequence[torch.device] | None = None,
     ):
         self.rank = topology.rank
         self.device = topology.device
+        # Every device the strategy computes on (dp, model_parallel: several GPUs in one process).
+        self.devices = list(devices or [topology.device])
         self._on_cuda = self.device.type == "cuda"
         self.enabled = enabled
         self._records: deque[dict[str, Any]] = deque(maxlen=_KEPT)
@@ -147,7 +150,7 @@ class StepRecorder:
                     grad_norm,
                     self.noise_taken,  # the estimates in so far: its value is found at the flush
                     self.noise_estimated,
-                    self._peak_memory() if self._on_cuda or self.cpu_peak is not None else None,
+                    self.peak_memory() if self._on_cuda or self.cpu_peak is not None else None,
                 )
             )
         if len(self._pending) >= _FLUSH_STEPS or now - self._flushed >= _FLUSH_S:
@@ -209,19 +212,29 @@ class StepRecorder:
             facts["device"] = torch.cuda.get_device_name(self.device)
         return facts
 
-    def _peak_memory(self) -> int | None:
-        """Only where there is one to read: CUDA's allocator, or train.memory_cap's ``cpu_peak``."""
+    def peak_memory(self) -> int | None:
+        """The peak since the last call, only where there is one to read: CUDA's allocator (the
+        fullest of the devices the strategy computes on), or train.memory_cap's ``cpu_peak``."""
         if not self._on_cuda:
             return self.cpu_peak()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)  # so the next record is that step's own peak
+        peak = max(torch.cuda.max_memory_allocated(d) for d in self.devices)
+        for device in self.devices:
+            torch.cuda.reset_peak_memory_stats(device)  # so the next record is that step's own peak
         return peak
 
 
-def create_recorder(config: Config, topology: Topology, run_dir: str | None, *, local_forward: bool) -> StepRecorder:
+def create_recorder(
+    config: Config,
+    topology: Topology,
+    run_dir: str | None,
+    *,
+    local_forward: bool,
+    devices: Sequence[torch.device] | None = None,
+) -> StepRecorder:
     """The Session's recorder, from ``train.metrics``, ``train.tensorboard`` and ``train.profile``.
     ``local_forward``: the strategy's unwrapped model runs a forward alone, without collectives
-    (``Strategy.local_forward``), so rank 0 may count its FLOPs for MFU."""
+    (``Strategy.local_forward``), so rank 0 may count its FLOPs for MFU. ``devices``: those the
+    strategy computes on (``Strategy.devices``; default: the topology's one), whose peak memory is recorded."""
     train = config.train
     root = Path(run_dir) if run_dir else None
     window = ProfileWindow.parse(train.profile) if train.profile else None  # every rank refuses a bad spec
@@ -249,4 +262,5 @@ def create_recorder(config: Config, topology: Topology, run_dir: str | None, *, 
         profiler=profiler,
         peak_flops_per_s=peak,
         summary_at_close=train.metrics and root is None and topology.world_size == 1,
+        devices=devices,
     )

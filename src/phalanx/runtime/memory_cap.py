@@ -1,7 +1,8 @@
 """``train.memory_cap``: the most memory one rank may use, so that ``phalanx tune`` (and a user who
 wants headroom) can find the largest micro-batch that fits under a limit smaller than the device.
 
-On CUDA the caching allocator enforces it (``torch.cuda.set_per_process_memory_fraction``): an
+On CUDA the caching allocator enforces it (``torch.cuda.set_per_process_memory_fraction``), on
+every device the strategy computes on (dp and model_parallel drive several from one process): an
 allocation past it raises torch's own ``OutOfMemoryError``, exactly as a full GPU does. A CPU has no
 such allocator limit, so the Session checks after every backward and optimizer step how far this
 process's peak resident memory has grown since ``setup()``, and raises the same exception when it is
@@ -25,6 +26,7 @@ import ctypes.util
 import resource
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -40,24 +42,29 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 class MemoryCap:
     """One per Session; ``check()`` is cheap enough to call after every micro-step (a small read)."""
 
-    def __init__(self, cap_bytes: int, device: torch.device):
+    def __init__(self, cap_bytes: int, device: torch.device, devices: Sequence[torch.device] | None = None):
         self.cap_bytes = cap_bytes
         self.device = device
+        # Every device the strategy computes on (Strategy.devices): the cap holds on each of them.
+        self.devices = list(devices or [device])
         self._baseline = 0
         self._reset_peak = False
         self._arrived = 0  # bytes of built model weights handed to the setup() in progress
         if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+            for each in self.devices:
+                total = torch.cuda.get_device_properties(each).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), each)
         else:
             track_live_memory()
             self.start()
 
     @classmethod
-    def create(cls, cap: int | str | None, device: torch.device) -> "MemoryCap | None":
+    def create(
+        cls, cap: int | str | None, device: torch.device, devices: Sequence[torch.device] | None = None
+    ) -> "MemoryCap | None":
         if cap is None:
             return None
-        return cls(cap if isinstance(cap, int) else size_bytes(cap), device)
+        return cls(cap if isinstance(cap, int) else size_bytes(cap), device, devices)
 
     def start(self) -> None:
         """CPU: count from here (the Session calls it at the end of ``setup()``, before training)."""
@@ -106,9 +113,9 @@ class MemoryCap:
         )
 
     def used_bytes(self) -> int | None:
-        """Peak growth since :meth:`start` (CPU), or the allocator's peak (CUDA)."""
+        """Peak growth since :meth:`start` (CPU), or the allocator's peak on the fullest device (CUDA)."""
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_reserved(self.device)
+            return max(torch.cuda.max_memory_reserved(d) for d in self.devices)
         return max(0, _peak_rss() - self._baseline)
 
     def check(self, fix: str = "lower batch.micro_batch_size or raise the cap") -> None:

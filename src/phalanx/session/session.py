@@ -92,12 +92,14 @@ class Session:
         self.precision = Precision(config.precision, self.topology.device)
         self._compute = Compute(config.compute)
         run_dir = self._context and self._context.run_dir
-        self.metrics = create_recorder(config, self.topology, run_dir, local_forward=self.strategy.local_forward)
-        self._memory_cap = MemoryCap.create(config.train.memory_cap, self.topology.device)
+        self.metrics = create_recorder(
+            config, self.topology, run_dir, local_forward=self.strategy.local_forward, devices=self.strategy.devices
+        )
+        self._memory_cap = MemoryCap.create(config.train.memory_cap, self.topology.device, self.strategy.devices)
         if self._memory_cap is not None and self.device.type != "cuda":
             self.metrics.cpu_peak = self._memory_cap.used_bytes  # CUDA records the allocator's peak itself
 
-        self.state = TrainState(self.device)  # step, epoch, micro-step, data positions, RNG
+        self.state = TrainState(self.strategy.devices)  # step, epoch, micro-step, data positions, RNG
         self._models: list[nn.Module] = []
         # Every change to the batch plan (config, training loaders, batch.adaptive) goes through its owner.
         self._batch = BatchOwner(

@@ -36,8 +36,8 @@ class Resumable(Protocol):
 
 
 class TrainState:
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, devices: torch.device | list[torch.device]):
+        self.devices = devices  # whose random generators a checkpoint keeps (Strategy.devices)
         self.step = 0  # optimizer steps taken
         self.epoch = 0
         self.micro = 0  # micro-steps into the current global batch
@@ -94,7 +94,7 @@ class TrainState:
         if ended:
             data = [{"epoch": loader.epoch + 1, "position": 0} for loader in self.loaders]
             epoch += 1
-        state = {"step": self.step, "epoch": epoch, "data": data, "rng": rng.capture(self.device)}
+        state = {"step": self.step, "epoch": epoch, "data": data, "rng": rng.capture(self.devices)}
         if ended:
             state["epoch_start"] = True
         if kept:
@@ -144,4 +144,4 @@ class TrainState:
             return
         if self._pending_rng is not None:
             state, self._pending_rng = self._pending_rng, None
-            rng.restore(state, self.device)
+            rng.restore(state, self.devices)

@@ -28,6 +28,12 @@ class DataParallel(Strategy):
         # Without CUDA, DataParallel simply calls the module, which keeps this path testable on CPU.
         return ReplicaDataParallel(model, device_ids=devices)
 
+    @property
+    def devices(self) -> list[torch.device]:
+        if self.topology.device.type == "cuda":  # DataParallel replicates onto every visible GPU
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [self.topology.device]
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
 

@@ -29,6 +29,7 @@ class ModelParallel(Strategy):
         super().__init__(config, topology)
         self.placement: list[tuple[str, torch.device]] = []
 
+    @property
     def devices(self) -> list[torch.device]:
         if self.topology.device.type == "cuda":
             return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
@@ -41,7 +42,7 @@ class ModelParallel(Strategy):
         return model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        devices = self.devices()
+        devices = self.devices
         units = placement_units(model)
         if not units:
             raise ConfigError("strategy model_parallel: the model has no child modules to place on devices")
