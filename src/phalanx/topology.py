@@ -15,6 +15,8 @@ from typing import Mapping
 
 import torch
 
+from phalanx.errors import PhalanxError
+
 # Names of the variables phalanx's launcher passes to its workers.
 ENV_CONTEXT = "PHALANX_CONTEXT"
 # An elastic job's attempt on this node (launch/elastic.py): torch's restart count skips the restarts
@@ -121,6 +123,7 @@ class Topology:
         launched = "RANK" in env and "WORLD_SIZE" in env
         local_rank = int(env.get("LOCAL_RANK", 0))
         world_size = int(env.get("WORLD_SIZE", 1))
+        gloo_on_cuda = bool(ctx and ctx.gloo_on_cuda)
         return cls(
             rank=int(env.get("RANK", 0)),
             local_rank=local_rank,
@@ -133,16 +136,30 @@ class Topology:
             else None,
             launched=launched,
             elastic=ENV_ATTEMPT in env,
-            device=pick_device(local_rank, force_cpu),
-            gloo_on_cuda=bool(ctx and ctx.gloo_on_cuda),
+            device=pick_device(local_rank, force_cpu, shares_gpus=gloo_on_cuda, env=env),
+            gloo_on_cuda=gloo_on_cuda,
         )
 
 
-def pick_device(local_rank: int, force_cpu: bool = False) -> torch.device:
-    """One CUDA device per local rank when CUDA is there, else the CPU."""
+def pick_device(
+    local_rank: int, force_cpu: bool = False, *, shares_gpus: bool = False, env: Mapping[str, str] | None = None
+) -> torch.device:
+    """One CUDA device per local rank when CUDA is there, else the CPU. ``shares_gpus``: the process
+    group is gloo's (LaunchContext.gloo_on_cuda), so local ranks past the GPU count wrap around and
+    share them; under NCCL, which refuses two ranks on one GPU, that is refused here, in one line."""
     if force_cpu or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    count = torch.cuda.device_count()
+    if local_rank >= count and not shares_gpus:
+        visible = visible_cuda_devices(env)
+        shown = "unset" if visible is None else ",".join(visible)
+        plural = "s are" if count != 1 else " is"
+        raise PhalanxError(
+            f"LOCAL_RANK {local_rank} but only {count} CUDA device{plural} visible (CUDA_VISIBLE_DEVICES={shown}): "
+            f"two ranks would share one GPU, which NCCL refuses; start at most {count} process"
+            f"{'es' if count != 1 else ''} per node (--nproc-per-node {count}) or make more GPUs visible"
+        )
+    return torch.device("cuda", local_rank % count)
 
 
 def visible_cuda_devices(env: Mapping[str, str] | None = None) -> list[str] | None:
