@@ -1,7 +1,8 @@
 """phalanx's own threads work on their rank's GPU: none ever makes GPU 0 current on a rank whose
 device is another, which would give GPU 0 a CUDA context (~0.5 GiB) per rank. torch.cuda is faked
-(tests/helpers/fake_cuda.py); of phalanx's threads only the metrics thread touches CUDA (the
-watchdog, lifeline and SIGTERM threads do not; batches are copied on the training thread)."""
+(tests/helpers/fake_cuda.py). Of phalanx's other threads, the hang watchdog's device query makes
+its device current itself (faults/device_progress.py, test_hang_device.py); the lifeline and
+SIGTERM threads touch no CUDA, and batches are copied on the training thread."""
 
 from __future__ import annotations
 
