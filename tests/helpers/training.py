@@ -41,14 +41,16 @@ def train(
     *,
     model: str = "default",
     optimizer: str = "sgd",
+    optimizer_flags: dict | None = None,
     head2_until: int | None = None,
     compiled_by_user: bool = False,
     save_to: str | None = None,
     catch_errors: bool = False,
     **sections,
 ) -> dict:
-    """Train through a Session and report what it did. ``head2_until``: the loss uses head2 in steps
-    before this one only; ``catch_errors``: a PhalanxError in the loop is returned as ``error``."""
+    """Train through a Session and report what it did. ``optimizer_flags``: the optimizer's own
+    constructor flags (foreach=True, ...); ``head2_until``: the loss uses head2 in steps before this
+    one only; ``catch_errors``: a PhalanxError in the loop is returned as ``error``."""
     # Never resume from a ./checkpoints another run left in the working directory.
     sections["checkpoint"] = {"dir": save_to or "checkpoints", "resume": "never"}
     session = Session(
@@ -62,7 +64,7 @@ def train(
     bare = net
     if compiled_by_user:
         net = torch.compile(net)
-    opt = make_optimizer(optimizer, net.parameters())
+    opt = make_optimizer(optimizer, net.parameters(), **(optimizer_flags or {}))
     scheduler = step_schedule(opt)
     loader = DataLoader(data_for(model, global_bs * steps), batch_size=global_bs, shuffle=shuffle)
     net, opt, scheduler = session.setup(net, opt, scheduler)

@@ -7,6 +7,7 @@ backward (fsdp with ``strategy.tp.size`` shards them instead: the 2-D layout).""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -59,6 +60,12 @@ class TensorParallel(DTensorStrategy):
         self._models.append(model)
         return model
 
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        optimizer = super().wrap_optimizer(optimizer)
+        if mixes_kinds(optimizer):
+            step_whole_as_replicated(optimizer)
+        return optimizer
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return self._not_syncing()
 
@@ -85,6 +92,31 @@ class TensorParallel(DTensorStrategy):
     def describe(self) -> str:
         split = f", {self.tp_plan.describe()}" if self.tp_plan is not None else ""
         return f"tp over {self.layout.describe()}{split}"
+
+
+def mixes_kinds(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer holds split parameters (DTensors) and whole ones (the modules the plan
+    leaves as they are) together."""
+    kinds = {hasattr(p, "placements") for group in optimizer.param_groups for p in group["params"]}
+    return len(kinds) > 1
+
+
+def step_whole_as_replicated(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's step treats whole parameters as replicated over the tensor axis, which they
+    are (every peer holds the same values and, after the split layers' all-reduces, the same
+    gradients). Without it torch's foreach and fused kernels, its default for CUDA tensors, take
+    DTensors and plain tensors in one call and refuse it ("got mixed torch.Tensor and DTensor").
+    Split parameters stay split and whole ones whole, so checkpoints and the plan are unchanged."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def stepping(*args, **kwargs):
+        with implicit_replication():
+            return step(*args, **kwargs)
+
+    optimizer.step = stepping
 
 
 def settle_partial(params: list[nn.Parameter]) -> None:
