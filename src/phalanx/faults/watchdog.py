@@ -1,6 +1,7 @@
 """Hang watchdog: a thread that notices when a rank stops making progress, prints where it is stuck
-(Python stack, and the collective it waits in), and stops the job long before a collective
-timeout (10 minutes in PyTorch) would.
+(Python stack, and the collective it waits in), and stops the job before the process group's own
+timeout would: phalanx sets that one past every limit of its own (strategies/collective_timeout.py),
+so a hang is reported with each rank's place instead of a collective's error that names none.
 
 The main thread calls ``beat()`` at every step, batch and collective; that is one attribute write.
 When one rank fires it leaves a file in ``<run dir>/hang/``; the other ranks' watchdogs see it
