@@ -10,8 +10,8 @@ from phalanx import Config, Session
 from tests.helpers.models import make_data, make_model
 
 FIELDS = [
-    "rank", "step", "epoch", "time", "step_time", "data_wait", "sync_time", "samples", "samples_per_s", "loss", "lr",
-    "grad_norm", "noise_scale", "noise_estimated", "peak_mem_bytes",
+    "rank", "step", "epoch", "time", "step_time", "data_wait", "sync_time", "device_work", "samples", "samples_per_s",
+    "loss", "lr", "grad_norm", "noise_scale", "noise_estimated", "peak_mem_bytes",
 ]  # fmt: skip
 
 

@@ -170,6 +170,7 @@ def test_session_records_every_optimizer_step_in_memory(capsys):
         assert r["lr"] == pytest.approx(0.2)  # 0.1 x (8 / 4): the lr the step used
         assert isinstance(r["loss"], float) and isinstance(r["grad_norm"], float)
         assert (r["peak_mem_bytes"] is None) == (session.device.type == "cpu")
+        assert (r["device_work"] is None) == (session.device.type == "cpu")  # timed by CUDA events
         assert 0 <= r["data_wait"] <= r["step_time"] and 0 <= r["sync_time"] <= r["step_time"]
         assert r["samples_per_s"] == pytest.approx(8 / r["step_time"])
     out = capsys.readouterr().out

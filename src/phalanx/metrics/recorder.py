@@ -4,6 +4,11 @@ TensorBoard scalars on rank 0, the profiler window and the FLOPs count for MFU.
 Loss and gradient norm stay tensors until a flush (every 500 steps or once a second, whichever
 comes first), so recording never makes the host wait for the device in the middle of a step; the
 flush hands the records to a thread that reads them all at once and writes the rows (rows.py).
+
+On CUDA the host's times mix a rank's own work with its wait for the others (a collective returns to
+the host at once; the host waits later, in a device sync), so each step also records two CUDA events,
+where the step starts and where its synchronising part starts, and the row gets the device's time
+between them (``device_work``): a wait for a peer's collective lies before the first in stream order.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class StepRecorder:
         peak_flops_per_s: float | None = None,
         summary_at_close: bool = False,
         devices: Sequence[torch.device] | None = None,
+        make_event: Callable[[], Any] | None = None,
     ):
         self.rank = topology.rank
         self.device = topology.device
@@ -69,6 +75,10 @@ class StepRecorder:
         self._created = self._flushed = time.perf_counter()
         self._step_start: float | None = None
         self._sync_start: float | None = None
+        # Two events a step on CUDA only (a few microseconds of the training thread); read at the flush.
+        self._make_event = (make_event or (_timing_event if self._on_cuda else None)) if enabled else None
+        self._start_event: Any = None
+        self._sync_event: Any = None
         self._wait = 0.0
         self._grad_norm: torch.Tensor | None = None
         # The noise scale once the first n estimates were in, asked at the flush (session/noise.py
@@ -97,6 +107,8 @@ class StepRecorder:
         """Time a training loader spent producing the next batch."""
         if self._step_start is None:  # the first batch was requested `seconds` ago
             self._step_start = time.perf_counter() - seconds
+            if self._make_event is not None:
+                self._start_event = self._event()
             if self._profiler is not None:
                 self._profiler.step_end(0)
         self._wait += seconds
@@ -105,6 +117,8 @@ class StepRecorder:
         """The step's synchronising part begins: backward of its last micro-batch."""
         if self._sync_start is None:
             self._sync_start = time.perf_counter()
+            if self._make_event is not None:
+                self._sync_event = self._event()
 
     def note_grad_norm(self, norm: torch.Tensor | None) -> None:
         if self._grad_norm is None:
@@ -127,6 +141,7 @@ class StepRecorder:
         makes no record; its time and data wait count in the next one."""
         now = time.perf_counter()
         sync_start, self._sync_start = self._sync_start, None
+        sync_event, self._sync_event = self._sync_event, None
         grad_norm, self._grad_norm = self._grad_norm, None
         if not stepped:
             return
@@ -143,6 +158,7 @@ class StepRecorder:
                     step_time,
                     self._wait,
                     now - sync_start if sync_start is not None else 0.0,
+                    (self._start_event, sync_event) if sync_event is not None else None,  # read at the flush
                     samples,
                     samples / step_time if samples and step_time > 0 else None,
                     loss,
@@ -156,9 +172,13 @@ class StepRecorder:
         if len(self._pending) >= _FLUSH_STEPS or now - self._flushed >= _FLUSH_S:
             self.flush()
         self._step_start, self._wait = now, 0.0
+        if self._make_event is not None:
+            self._start_event = self._event()
         self._last_step = step
         if self._profiler is not None and self._profiler.step_end(step):
             self._step_start = time.perf_counter()  # saving the trace is no part of the next step
+            if self._make_event is not None:
+                self._start_event = self._event()
 
     # -- out ------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -198,6 +218,11 @@ class StepRecorder:
                     if hint:
                         print(hint, flush=True)
 
+    def _event(self) -> Any:
+        event = self._make_event()
+        event.record()  # on the training thread's current stream, behind the work queued so far
+        return event
+
     def _set_flops(self, value: float | None) -> None:
         self.flops_per_sample = value
         facts = self._flops_facts()
@@ -221,6 +246,10 @@ class StepRecorder:
         for device in self.devices:
             torch.cuda.reset_peak_memory_stats(device)  # so the next record is that step's own peak
         return peak
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 def create_recorder(

@@ -4,9 +4,9 @@ thread of its own.
 A flush costs the host about 7 us a record on 2 CPU cores (reading the losses, a dict, a JSON line;
 TensorBoard's protobufs where it is on), which on a 1 ms step is 0.7% of training time. On its own
 thread the work runs while the training thread is inside torch (which releases the GIL), and the
-read of the losses never makes the training thread wait for the device. Rows are written in the
-order of their flushes; ``drain()`` waits for every row handed over so far, and re-raises what
-writing them raised.
+read of the losses, and of the CUDA events that time each step's work on the device, never makes
+the training thread wait for the device. Rows are written in the order of their flushes;
+``drain()`` waits for every row handed over so far, and re-raises what writing them raised.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ FIELDS = (
     "step_time",
     "data_wait",
     "sync_time",
+    "device_work",
     "samples",
     "samples_per_s",
     "loss",
@@ -41,6 +42,7 @@ FIELDS = (
 )
 LOSS, LR, GRAD_NORM = FIELDS.index("loss"), FIELDS.index("lr"), FIELDS.index("grad_norm")
 NOISE = FIELDS.index("noise_scale")
+DEVICE_WORK = FIELDS.index("device_work")
 _TENSOR_FIELDS = (LOSS, LR, GRAD_NORM)  # a learning rate may be a tensor too
 _MAYBE_NOT_FINITE = (LOSS, LR, GRAD_NORM, NOISE)
 
@@ -117,6 +119,7 @@ def _filled(rec: tuple, values: dict[int, Any], noise: dict[int, float | None]) 
     finite becomes None (JSON's null: strict readers take no NaN)."""
     row = list(rec)
     row[NOISE] = noise.get(rec[NOISE])
+    row[DEVICE_WORK] = _device_work(rec[DEVICE_WORK])
     for i in _MAYBE_NOT_FINITE:
         value = row[i]
         if isinstance(value, torch.Tensor):
@@ -124,6 +127,19 @@ def _filled(rec: tuple, values: dict[int, Any], noise: dict[int, float | None]) 
         if value is not None and not math.isfinite(value):
             row[i] = None
     return row
+
+
+def _device_work(events: tuple[Any, Any] | None) -> float | None:
+    """Seconds between a step's start event and its synchronising part's (CUDA events, recorded on the
+    training thread without a sync): the wait here is this thread's, never the training thread's."""
+    start, sync = events or (None, None)
+    if start is None:  # off CUDA, no synchronising part, or a first step that no loader started
+        return None
+    try:
+        sync.synchronize()
+        return start.elapsed_time(sync) / 1000
+    except RuntimeError:  # an event never recorded, or recorded on another device: no figure
+        return None
 
 
 _LINE = "{" + ", ".join(f"{json.dumps(name)}: %s" for name in FIELDS) + "}"

@@ -11,10 +11,13 @@ SLOW_FACTOR (and by at least MIN_EXCESS_S, below which the difference is timer n
 straggler when it is slow in at least SLOW_SHARE of at least MIN_STEPS compared steps. When
 several ranks qualify, the one slow most often is named.
 
-The times are the host's. On CUDA a collective returns as soon as it is queued and a fast rank
-waits for the slow one wherever its host next waits for its device, which may fall inside its own
-work: there the rule can miss a straggler, or name a rank that syncs with its device more often
-than the others (docs/metrics.md says what the figure means on a GPU).
+On CUDA host times cannot tell: a collective returns as soon as it is queued, and a fast rank waits
+for the slow one wherever its host next waits for its device, which may fall inside its own work.
+There the work is the device's (``device_work``, from two CUDA events a step): from the end of the
+previous step's queued work to the start of the synchronising part, which a wait for a peer's
+gradient all-reduce precedes in stream order. summary.py compares it where every rank has it, host
+times otherwise; a collective inside a step's own work (fsdp's all-gathers, DDP's buffer broadcast)
+still counts as work (docs/metrics.md).
 """
 
 from __future__ import annotations

@@ -60,8 +60,9 @@ def summarize(records: dict[int, list[dict[str, Any]]], flops: dict[str, Any] | 
     if not records or max(len(r) for r in records.values()) < 2:
         return None
     world = len(records)
-    rows = [_rank_row(rank, recs, flops, world) for rank, recs in sorted(records.items())]
-    work = {rank: {r["step"]: r["step_time"] - r.get("sync_time", 0.0) for r in recs} for rank, recs in records.items()}
+    on_device = all(r.get("device_work") is not None for recs in records.values() for r in _kept(recs))
+    rows = [_rank_row(rank, recs, flops, world, on_device) for rank, recs in sorted(records.items())]
+    work = {rank: {r["step"]: _work(r, on_device) for r in recs} for rank, recs in records.items()}
     straggler = find_straggler(work)
     mfus = [row["mfu"] for row in rows if row["mfu"] is not None]
     # The lowest rank's last step that has one: the estimate is the same on every rank.
@@ -72,6 +73,7 @@ def summarize(records: dict[int, list[dict[str, Any]]], flops: dict[str, Any] | 
         "warmup_steps_left_out": warmup_for(max(row["steps"] for row in rows)),
         "ranks": rows,
         "straggler": asdict(straggler) if straggler else None,
+        "work_from": "device" if on_device else "host",
         "flops_per_sample": flops.get("flops_per_sample") if flops else None,
         "peak_flops_per_s": flops.get("peak_flops_per_s") if flops else None,
         "mfu": median(mfus) if mfus else None,
@@ -84,8 +86,21 @@ def write_summary(summary: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _rank_row(rank: int, recs: list[dict[str, Any]], flops: dict[str, Any] | None, world: int) -> dict[str, Any]:
-    kept = recs[warmup_for(len(recs)) :]
+def _kept(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return recs[warmup_for(len(recs)) :]
+
+
+def _work(record: dict[str, Any], on_device: bool) -> float:
+    """A rank's own work in a step (metrics/straggler.py): on CUDA the device's, where every rank
+    measured it; the host's otherwise, which on CUDA mixes in its waits for the other ranks."""
+    device = record.get("device_work") if on_device else None
+    return device if device is not None else record["step_time"] - record.get("sync_time", 0.0)
+
+
+def _rank_row(
+    rank: int, recs: list[dict[str, Any]], flops: dict[str, Any] | None, world: int, on_device: bool = False
+) -> dict[str, Any]:
+    kept = _kept(recs)
     times = [r["step_time"] for r in kept]
     rates = [r["samples_per_s"] for r in kept if r.get("samples_per_s") is not None]
     losses = [r["loss"] for r in recs if r.get("loss") is not None]
@@ -103,7 +118,7 @@ def _rank_row(rank: int, recs: list[dict[str, Any]], flops: dict[str, Any] | Non
         "step_time_p50": percentile(times, 50),
         "step_time_p90": percentile(times, 90),
         "step_time_max": max(times),
-        "work_p50": percentile([r["step_time"] - r.get("sync_time", 0.0) for r in kept], 50),
+        "work_p50": percentile([_work(r, on_device) for r in kept], 50),
         "data_wait_p50": percentile([r["data_wait"] for r in kept], 50),
         "data_wait_share": sum(r["data_wait"] for r in kept) / total if total > 0 else 0.0,
         "loss_first": losses[0] if losses else None,
