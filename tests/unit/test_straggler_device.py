@@ -13,6 +13,7 @@ import torch
 from phalanx import Topology
 from phalanx.metrics.recorder import StepRecorder
 from phalanx.metrics.summary import summarize
+from phalanx.metrics.summary_display import verdict
 
 
 class DeviceClock:
@@ -122,6 +123,7 @@ def test_the_rank_whose_device_work_is_long_is_named_though_every_host_took_as_l
     assert summary["work_from"] == "device"
     assert summary["straggler"]["excess_s"] == pytest.approx(0.03)
     assert [row["work_p50"] for row in summary["ranks"]] == pytest.approx([0.05, 0.05, 0.08])
+    assert "its own work (device time before the gradient sync)" in verdict(summary)[0]
 
 
 def test_a_rank_that_reads_its_device_every_step_is_not_named():

@@ -95,8 +95,10 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     rows = {r["rank"]: r for r in summary["ranks"]}
     mine = rows[found["rank"]]
     others = sorted(r["data_wait_p50"] for rank, r in rows.items() if rank != found["rank"])
+    # On CUDA the work is the device's time before the sync (summary.py): the host's waits mix in the peers'.
+    measured = "device time before" if summary.get("work_from") == "device" else "step time outside"
     line = (
-        f"phalanx: straggler: rank {found['rank']}: its own work (step time outside the gradient sync) "
+        f"phalanx: straggler: rank {found['rank']}: its own work ({measured} the gradient sync) "
         f"was over {SLOW_FACTOR - 1:.0%} above the other ranks' in {found['slow_share']:.0%} "
         f"of {found['steps']} steps, by {_ms(found['excess_s'])} a step (median)"
     )
