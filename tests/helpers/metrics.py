@@ -1,4 +1,5 @@
-"""The fields of a metrics record, and a short Session run whose metrics the tests read."""
+"""The fields of a metrics record, pending records as the recorder hands them to its RowWriter, and
+a short Session run whose metrics the tests read."""
 
 from __future__ import annotations
 
@@ -7,12 +8,23 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from phalanx import Config, Session
+from phalanx.metrics import rows
 from tests.helpers.models import make_data, make_model
 
 FIELDS = [
     "rank", "step", "epoch", "time", "step_time", "data_wait", "sync_time", "device_work", "samples", "samples_per_s",
     "loss", "lr", "grad_norm", "noise_scale", "noise_estimated", "peak_mem_bytes",
 ]  # fmt: skip
+
+
+def pending_records(steps: range) -> list[tuple]:
+    """One pending record per step, in rows.FIELDS' order: the loss a tensor still to be read."""
+    records = []
+    for s in steps:
+        row = {**dict.fromkeys(rows.FIELDS), "step": s, "loss": torch.tensor(float(s)), "lr": 0.1}
+        row["noise_estimated"] = False
+        records.append(tuple(row[f] for f in rows.FIELDS))
+    return records
 
 
 def run_session(steps: int = 6, metrics: bool = True, **sections) -> Session:

@@ -11,16 +11,9 @@ from collections import deque
 
 import torch
 
-from phalanx.metrics.rows import FIELDS, RowWriter
+from phalanx.metrics.rows import RowWriter
 from tests.helpers.fake_cuda import FakeCuda
-
-
-def _records(steps: range) -> list[tuple]:
-    rows = []
-    for s in steps:
-        row = {**dict.fromkeys(FIELDS), "step": s, "loss": torch.tensor(float(s)), "lr": 0.1, "noise_estimated": False}
-        rows.append(tuple(row[f] for f in FIELDS))
-    return rows
+from tests.helpers.metrics import pending_records
 
 
 def test_the_metrics_thread_works_on_the_ranks_own_gpu(monkeypatch):
@@ -30,7 +23,7 @@ def test_the_metrics_thread_works_on_the_ranks_own_gpu(monkeypatch):
     writer = RowWriter(records, None, None, torch.device("cuda", 3))
     try:
         for start in (0, 4):
-            writer.submit(_records(range(start, start + 4)), {})
+            writer.submit(pending_records(range(start, start + 4)), {})
             writer.drain()
     finally:
         writer.close()
@@ -45,7 +38,7 @@ def test_an_unindexed_device_is_the_training_threads_current_one(monkeypatch):
     torch.cuda.set_device(2)
     writer = RowWriter(deque(), None, None, torch.device("cuda"))
     try:
-        writer.submit(_records(range(2)), {})
+        writer.submit(pending_records(range(2)), {})
         writer.drain()
     finally:
         writer.close()

@@ -14,14 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.metrics.rows import FIELDS, RowWriter, json_lines
-
-
-def _records(steps: range) -> list[tuple]:
-    rows = []
-    for s in steps:
-        row = {**dict.fromkeys(FIELDS), "step": s, "loss": torch.tensor(float(s)), "lr": 0.1, "noise_estimated": False}
-        rows.append(tuple(row[f] for f in FIELDS))
-    return rows
+from tests.helpers.metrics import pending_records
 
 
 @settings(max_examples=25, deadline=None)
@@ -33,7 +26,7 @@ def test_rows_keep_their_order_and_read_the_losses(flush_sizes, tmp_path_factory
         writer = RowWriter(records, file, None, torch.device("cpu"))
         start = 0
         for size in flush_sizes:
-            writer.submit(_records(range(start, start + size)), {})
+            writer.submit(pending_records(range(start, start + size)), {})
             start += size
         writer.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -52,7 +45,7 @@ class _Broken:
 
 def test_a_write_error_reaches_the_training_thread():
     writer = RowWriter(deque(), _Broken(), None, torch.device("cpu"))
-    writer.submit(_records(range(3)), {})
+    writer.submit(pending_records(range(3)), {})
     with pytest.raises(OSError, match="No space left"):
         writer.drain()
     writer.close()
@@ -66,7 +59,7 @@ def test_rows_are_written_off_the_calling_thread():
             seen.append(threading.current_thread().name)
 
     writer = RowWriter(deque(), Recording(), None, torch.device("cpu"))
-    writer.submit(_records(range(2)), {})
+    writer.submit(pending_records(range(2)), {})
     writer.close()
     assert seen and all(name.startswith("phalanx-metrics") for name in seen)
 
@@ -85,8 +78,8 @@ def test_an_error_of_an_earlier_flush_is_not_lost_behind_a_later_one():
                 raise OSError(28, "No space left on device")
 
     writer = RowWriter(deque(), FailsOnce(), None, torch.device("cpu"))
-    writer.submit(_records(range(2)), {})
-    writer.submit(_records(range(2, 4)), {})
+    writer.submit(pending_records(range(2)), {})
+    writer.submit(pending_records(range(2, 4)), {})
     queued.set()
     with pytest.raises(OSError, match="No space left"):
         writer.drain()
