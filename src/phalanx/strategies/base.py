@@ -52,6 +52,8 @@ class Strategy:
     # -- capabilities ---------------------------------------------------------------------
     # How many processes per node the launcher starts: None means one per device.
     processes_per_node: ClassVar[int | None] = None
+    # True when its one process computes on every visible GPU (dp, model_parallel): see devices.
+    drives_every_gpu: ClassVar[bool] = False
     # True when the strategy casts parameters itself, so the Session does not add autocast.
     handles_precision: ClassVar[bool] = False
     # True when the strategy calls collectives even in a single process (DDP, ZeRO, FSDP).
@@ -229,8 +231,10 @@ class Strategy:
 
     @property
     def devices(self) -> list[torch.device]:
-        """Every device this process computes on (its own; more where one process drives several
-        GPUs): what memory is measured and capped on, and whose random generators a checkpoint keeps."""
+        """Every device this process computes on (its own; every visible GPU where one process drives
+        them all): what memory is measured and capped on, and whose random generators a checkpoint keeps."""
+        if self.drives_every_gpu and self.topology.device.type == "cuda":
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
         return [self.topology.device]
 
     def setup_environment(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from phalanx.strategies.base import Strategy
@@ -15,6 +14,7 @@ from phalanx.strategies.dp_replicas import DataParallel as ReplicaDataParallel
 class DataParallel(Strategy):
     name = "dp"
     processes_per_node = 1
+    drives_every_gpu = True  # DataParallel replicates onto every visible GPU
     supports_compile = False
     advice: ClassVar[dict[str, str]] = {"launch.nproc": "or use strategy ddp"}
 
@@ -24,19 +24,13 @@ class DataParallel(Strategy):
                 "phalanx: strategy 'dp' replicates the model every step in one process; "
                 "strategy 'ddp' is faster on every GPU count."
             )
-        devices = list(range(torch.cuda.device_count())) if self.topology.device.type == "cuda" else None
+        on_cuda = self.topology.device.type == "cuda"
         # Without CUDA, DataParallel simply calls the module, which keeps this path testable on CPU.
-        return ReplicaDataParallel(model, device_ids=devices)
-
-    @property
-    def devices(self) -> list[torch.device]:
-        if self.topology.device.type == "cuda":  # DataParallel replicates onto every visible GPU
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [self.topology.device]
+        return ReplicaDataParallel(model, device_ids=[d.index for d in self.devices] if on_cuda else None)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
 
     def describe(self) -> str:
-        n = torch.cuda.device_count() if self.topology.device.type == "cuda" else 0
+        n = len(self.devices) if self.topology.device.type == "cuda" else 0
         return f"dp over {n} GPU{'s' if n != 1 else ''}" if n else "dp (no GPU: runs as one CPU device)"

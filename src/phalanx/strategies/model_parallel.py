@@ -22,18 +22,14 @@ from phalanx.strategies.placement import assign, placement_units, refuse_shared_
 class ModelParallel(Strategy):
     name = "model_parallel"
     processes_per_node = 1
+    # Without CUDA its one device is the CPU: the hooks and placement logic still run.
+    drives_every_gpu = True
     supports_compile = False
     advice: ClassVar[dict[str, str]] = {"launch.nproc": "or use strategy ddp"}
 
     def __init__(self, config, topology):
         super().__init__(config, topology)
         self.placement: list[tuple[str, torch.device]] = []
-
-    @property
-    def devices(self) -> list[torch.device]:
-        if self.topology.device.type == "cuda":
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [torch.device("cpu")]  # one device: the hooks and placement logic still run
 
     def place(self, model: nn.Module) -> nn.Module:
         # wrap_model puts each unit on its own device; the model need not fit on one. The names that
