@@ -76,9 +76,6 @@ def parts(args: argparse.Namespace) -> list:
     ]
 
 
-NAMES = ["ddp", "resume", "precision", "fsdp", "processes", "prefetch", "compile", "plan", "tune", "speed", "syncs"]
-
-
 def smoke_sizes() -> None:
     """Toy sizes on the CPU: enough to run every line of every part, nothing to measure."""
     from tests.gpu.acceptance import (
@@ -113,17 +110,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=Raw
     )
-    parser.add_argument("--parts", default=",".join(NAMES), help="comma-separated, run in this order (default all)")
+    parser.add_argument("--parts", help="comma-separated, run in this order (default all, in the order of parts())")
     parser.add_argument("--out", type=Path, help="the JSON to write (default runs/gpu-check-<date>-<time>.json)")
     parser.add_argument("--time-limit", type=float, help="seconds: start no part whose budget would end past them")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each timed contender, medians (default 3)")
     parser.add_argument("--epochs", type=int, default=8, help="epochs of the demo CNN per precision (default 8)")
     parser.add_argument("--cpu-smoke", action="store_true", help="try the script on the CPU at toy sizes (no check)")
     args = parser.parse_args()
-    chosen = list(dict.fromkeys(p.strip() for p in args.parts.split(",") if p.strip()))
-    unknown = sorted(set(chosen) - set(NAMES))
+    by_name = {p.name: p for p in parts(args)}
+    asked = args.parts.split(",") if args.parts is not None else by_name
+    chosen = list(dict.fromkeys(p.strip() for p in asked if p.strip()))
+    unknown = sorted(set(chosen) - set(by_name))
     if unknown:
-        parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(NAMES)}")
+        parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(by_name)}")
     if not torch.cuda.is_available() and not args.cpu_smoke:
         sys.exit(
             f"gpu_check: no CUDA device visible (torch {torch.__version__}, built for CUDA "
@@ -150,7 +149,6 @@ def main() -> None:
         "parts_asked": chosen,
         "time_limit_s": args.time_limit,
     }
-    by_name = {p.name: p for p in parts(args)}
     started = time.perf_counter()
     results = []
     for part in (by_name[n] for n in chosen):
