@@ -16,24 +16,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from phalanx import Config, Session
 from tests.helpers.training import train
 
-# name -> (the optimizer constructor's flags, compute.optimizer_impl)
+# name -> (the optimizer constructor's flags, compute.optimizer_impl, the (foreach, fused) of the
+# optimizer phalanx returns). On CPU auto picks fused (torch has fused Adam and AdamW for the CPU).
 VARIANTS = {
-    "foreach=True": ({"foreach": True}, None),
-    "fused=True": ({"fused": True}, None),
-    "optimizer_impl=auto": ({}, "auto"),
-    "optimizer_impl=foreach": ({}, "foreach"),
-    "optimizer_impl=fused": ({}, "fused"),
-    "optimizer_impl=loop": ({}, "loop"),
-}
-# What each variant must run: (foreach, fused) of the optimizer phalanx returns. On CPU auto picks
-# fused (torch has fused Adam and AdamW kernels for the CPU).
-RUNS = {
-    "foreach=True": (True, None),
-    "fused=True": (None, True),
-    "optimizer_impl=auto": (False, True),
-    "optimizer_impl=foreach": (True, False),
-    "optimizer_impl=fused": (False, True),
-    "optimizer_impl=loop": (False, False),
+    "foreach=True": ({"foreach": True}, None, (True, None)),
+    "fused=True": ({"fused": True}, None, (None, True)),
+    "optimizer_impl=auto": ({}, "auto", (False, True)),
+    "optimizer_impl=foreach": ({}, "foreach", (True, False)),
+    "optimizer_impl=fused": ({}, "fused", (False, True)),
+    "optimizer_impl=loop": ({}, "loop", (False, False)),
 }
 GLOBAL_BATCH, STEPS = 16, 5
 
@@ -41,7 +32,7 @@ GLOBAL_BATCH, STEPS = 16, 5
 def data_parallel(strategy, variant: str) -> dict:
     """Adam on the default MLP through ``strategy`` under ``variant``: the final weights and the
     (foreach, fused) the optimizer ran with."""
-    flags, impl = VARIANTS[variant]
+    flags, impl, _ = VARIANTS[variant]
     compute = {"optimizer_impl": impl} if impl else {}
     result = train(strategy, GLOBAL_BATCH, None, STEPS, optimizer="adam", optimizer_flags=flags, compute=compute)
     return {"state": result["state"], "runs": (result["optimizer"]["foreach"], result["optimizer"]["fused"])}
@@ -95,7 +86,7 @@ def lm_reference() -> dict[str, torch.Tensor]:
 
 def lm_train(strategy: str, tp: int, variant: str) -> dict:
     """NormLM and AdamW through a Session under ``strategy`` with ``strategy.tp.size`` ``tp``."""
-    flags, impl = VARIANTS[variant]
+    flags, impl, _ = VARIANTS[variant]
     session = Session(
         Config(),
         strategy={"name": strategy, "tp": {"size": tp}},

@@ -25,7 +25,7 @@ STRATEGIES = {  # id: (strategy, processes)
 
 
 def _matches(out: dict, expected: dict, variant: str, what: str) -> None:
-    assert out["runs"] == k.RUNS[variant]
+    assert out["runs"] == k.VARIANTS[variant][2]
     assert out["state"].keys() == expected.keys()
     difference = rel_diff(out["state"], expected)
     print(f"\n{what}, {variant}: max relative weight difference to one process {difference:.1e}")
