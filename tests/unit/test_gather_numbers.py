@@ -59,5 +59,25 @@ def test_several_processes_give_every_rank_value_in_rank_order(monkeypatch):
 
 
 def test_other_values_are_one_line(session):
-    with pytest.raises(PhalanxError, match="gather_for_metrics takes a tensor or a number, not str"):
+    with pytest.raises(PhalanxError, match="gather_for_metrics takes a tensor, a number, or a tuple of them, not str"):
         session.gather_for_metrics("0.5")
+
+
+def test_a_tuple_gathers_each_entry_as_accelerate_does(monkeypatch):
+    def all_gather(parts, local, group=None):
+        parts[0].copy_(local)
+        parts[1].copy_(local + 10)
+
+    monkeypatch.setattr(collectives.dist, "all_gather", all_gather)
+    args = {"data_parallel_size": 2, "group": None, "comm_device": torch.device("cpu"), "loader": None}
+    predictions, labels, loss = collectives.gather_in_order((torch.tensor([1, 2]), torch.tensor([3]), 0.5), **args)
+    assert predictions.tolist() == [1, 2, 11, 12] and labels.tolist() == [3, 13] and loss.tolist() == [0.5, 10.5]
+
+
+def test_a_tuple_in_an_evaluation_loop_drops_the_padding_of_each_entry(session):
+    data = TensorDataset(torch.arange(5.0), torch.arange(5) * 2)
+    loader = session.setup(DataLoader(data, batch_size=2))
+    pairs = [session.gather_for_metrics([x, y]) for x, y in loader]
+    assert all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs)
+    assert torch.cat([x for x, _ in pairs]).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert torch.cat([y for _, y in pairs]).tolist() == [0, 2, 4, 6, 8]

@@ -29,12 +29,14 @@ def reduce(value: Any, op: str, *, data_parallel_size: int, group: Any, comm_dev
     return tensor.item() if as_number else tensor.to(value.device)
 
 
-def gather_in_order(
-    tensor: Any, *, data_parallel_size: int, group: Any, comm_device: torch.device, loader: Any
-) -> torch.Tensor:
+def gather_in_order(tensor: Any, *, data_parallel_size: int, group: Any, comm_device: torch.device, loader: Any) -> Any:
     """``loader``: the evaluation loader the tensor came from (its sampler state says where the
     padding starts), or None / a training loader (then every gathered row is kept). A Python number
-    or 0-d tensor is one value per process, not rows: see :func:`gather_values`."""
+    or 0-d tensor is one value per process, not rows: see :func:`gather_values`. A tuple or list
+    (Accelerate's ``(predictions, labels)``) gathers each of its entries: a tuple of the results."""
+    if isinstance(tensor, (tuple, list)):
+        args = {"data_parallel_size": data_parallel_size, "group": group, "comm_device": comm_device}
+        return tuple(gather_in_order(t, loader=loader, **args) for t in tensor)
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
         return gather_values(tensor, data_parallel_size=data_parallel_size, group=group, comm_device=comm_device)
     if data_parallel_size == 1:
@@ -64,7 +66,7 @@ def gather_values(value: Any, *, data_parallel_size: int, group: Any, comm_devic
         local = torch.tensor([value], dtype=torch.int64 if whole else torch.float64)
     else:
         raise PhalanxError(
-            f"gather_for_metrics takes a tensor or a number, not {type(value).__name__}; "
+            f"gather_for_metrics takes a tensor, a number, or a tuple of them, not {type(value).__name__}; "
             "gather a tensor (one row per sample) or one number per batch"
         )
     if data_parallel_size == 1:

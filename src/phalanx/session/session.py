@@ -736,10 +736,11 @@ class Session:
             return weighted_mean(value, items, **self._collective_args())
         return collectives.reduce(value, op, **self._collective_args())
 
-    def gather_for_metrics(self, tensor: torch.Tensor | float | int) -> torch.Tensor:
-        """Gather a per-batch tensor from every process, in dataset order, without the samples the
-        sampler padded in; so metrics over an evaluation loader equal single-process ones exactly.
-        A Python number or 0-d tensor gives a 1-d tensor of every process's value, in rank order."""
+    def gather_for_metrics(self, tensor: torch.Tensor | float | int | tuple | list) -> Any:
+        """Call it on every evaluation batch: it gathers that batch's tensor from every process, in
+        dataset order, without the samples the sampler padded in; so metrics over an evaluation loader
+        equal single-process ones exactly. A Python number or 0-d tensor gives a 1-d tensor of every
+        process's value, in rank order; a tuple or list, a tuple of each entry gathered."""
         return collectives.gather_in_order(tensor, loader=self._active_loader, **self._collective_args())
 
     def shard(self, *tensors: torch.Tensor, dim: int = 0, micro_steps: bool = False) -> Any:
