@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from phalanx.errors import PhalanxError
+from phalanx.util.words import plural
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -518,6 +519,14 @@ def verify(directory: Path, manifest: dict[str, Any], names: Iterable[str]) -> s
                 "use an earlier checkpoint"
             )
     return None
+
+
+def describe_processes(manifest: dict[str, Any]) -> str:
+    """The strategy and its axes, "fsdp over 4 processes (dp_shard 2 x tp 2)"; a manifest written
+    before axes were recorded gives the strategy and the process count alone."""
+    axes = manifest.get("axes") or {}
+    shape = f" ({' x '.join(f'{axis} {size}' for axis, size in axes.items())})" if axes else ""
+    return f"{manifest['strategy']} over {plural(manifest['world_size'], 'process')}{shape}"
 
 
 def describe_layout(layout: str) -> str:

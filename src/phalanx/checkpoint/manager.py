@@ -307,6 +307,8 @@ class Checkpointer:
             "layout": strategy.checkpoint_layout,
             "world_size": self.topology.world_size,
             "data_parallel_size": strategy.data_parallel_size,
+            # Axes with more than one rank and their sizes ({"dp_shard": 2, "tp": 2}): what world_size alone hides.
+            "axes": {axis: strategy.layout.size(axis) for axis in strategy.layout.used},
             "global_batch_size": objects.facts.get("global_batch_size"),
             "precision": objects.facts.get("precision"),
             "data": train["data"],

@@ -8,7 +8,7 @@ import json
 from rich.table import Table
 
 from phalanx.checkpoint.export import FORMATS, export, open_checkpoint, output_format, progress_words
-from phalanx.checkpoint.files import describe_layout
+from phalanx.checkpoint.files import describe_layout, describe_processes
 from phalanx.checkpoint.hf_model import recorded_class
 from phalanx.cli import options
 from phalanx.cli.console import console
@@ -85,7 +85,7 @@ def _info(args: argparse.Namespace) -> int:
         ("progress", f"{progress_words(manifest)}; data position: {where}"),
         (
             "strategy",
-            f"{manifest['strategy']} over {manifest['world_size']} process(es), {describe_layout(manifest['layout'])}",
+            f"{describe_processes(manifest)}, {describe_layout(manifest['layout'])}",
         ),
         ("batch", f"global batch {manifest['global_batch_size']}, precision {manifest['precision']}"),
         (
