@@ -59,8 +59,6 @@ def test_guards_against_stepping_twice():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     model, optimizer, scheduler = session.setup(model, optimizer, scheduler)
     x, y = make_data(4).tensors
-    with pytest.raises(PhalanxError, match="put the forward and session.backward"):
-        session.backward(F.mse_loss(model(x), y))
     with session.accumulate(model):
         session.backward(F.mse_loss(model(x), y))
     with pytest.raises(PhalanxError, match=r"optimizer.step\(\) was called directly"):
@@ -71,9 +69,6 @@ def test_guards_against_stepping_twice():
         session.backward(F.mse_loss(model(x), y))
     assert session.step_count == 1
     optimizer.zero_grad()  # harmless at a boundary
-    scheduler.step()
-    with pytest.raises(PhalanxError, match=r"scheduler.step\(\) was called directly"):
-        session.step()
     session.close()
 
 
@@ -141,15 +136,6 @@ def test_fp16_with_two_optimizers_and_clipping_updates_both_like_fp32():
     fp32, fp16 = run("fp32"), run("fp16")
     # fp16 autocast on CPU changes the numbers a little, never by the 1/65536 of a double unscale.
     assert fp16 == pytest.approx(fp32, rel=0.05)
-
-
-def test_reduce_lr_on_plateau_is_refused_with_the_fix():
-    session = _session()
-    model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(PhalanxError, match="ReduceLROnPlateau needs a metric"):
-        session.setup(model, optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
-    session.close()
 
 
 def test_zero_grad_at_the_start_of_a_window_is_allowed():

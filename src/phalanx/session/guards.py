@@ -1,11 +1,11 @@
-"""Guards against the usual porting mistakes of a one-GPU loop: a stray ``optimizer.step()``,
-``scheduler.step()`` or ``optimizer.zero_grad()`` that would step twice or drop the gradients of
-earlier micro-steps. phalanx steps, schedules and zeroes itself at the end of each global batch."""
+"""Guards against the usual porting mistakes of a one-GPU loop: a stray ``optimizer.step()`` or
+``optimizer.zero_grad()`` that would step twice or drop the gradients of earlier micro-steps.
+phalanx steps and zeroes itself at the end of each global batch (schedulers: schedulers.py)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -14,12 +14,13 @@ from phalanx.errors import PhalanxError
 
 class PortingGuards:
     """``micro_steps_before``: micro-steps of the current global batch that came before the one
-    running now (their gradients are what a zero_grad would drop)."""
+    running now (their gradients are what a zero_grad would drop); ``short_form``: the window is one
+    of ``session.backward(loss)`` calls without the ``accumulate()`` block."""
 
-    def __init__(self, micro_steps_before: Callable[[], int]):
+    def __init__(self, micro_steps_before: Callable[[], int], short_form: Callable[[], bool]):
         self.micro_steps_before = micro_steps_before
+        self.short_form = short_form
         self.in_step = False  # True while phalanx itself steps (or torch's checkpoint helpers do)
-        self.schedulers: list[tuple[Any, int]] = []  # each scheduler and the counter phalanx left it at
 
     def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_step_pre_hook(self._refuse_stray_step)
@@ -29,6 +30,10 @@ class PortingGuards:
             # Harmless at a global-batch boundary (gradients are already cleared); fatal when it
             # would drop the gradients of earlier micro-steps of this global batch.
             if not self.in_step and self.micro_steps_before() > 0:
+                if self.short_form():
+                    # A one-GPU loop's zero_grad() before each batch: under the short form each of its
+                    # iterations is a micro-step, and the gradients are phalanx's until the window steps.
+                    return
                 raise PhalanxError(
                     "optimizer.zero_grad() was called in the middle of an accumulation window and would drop "
                     "gradients; remove it: phalanx zeroes gradients after each optimizer step"
@@ -40,25 +45,9 @@ class PortingGuards:
     def _refuse_stray_step(self, optimizer, args, kwargs) -> None:
         if not self.in_step:
             raise PhalanxError(
-                "optimizer.step() was called directly; remove it (and scheduler.step()): phalanx steps both "
-                "at the end of `with session.accumulate(model):`, or call session.step() yourself"
+                "optimizer.step() was called directly; remove it: phalanx steps the optimizer at the end of "
+                "`with session.accumulate(model):`, or call session.step() in its place"
             )
-
-    def add_scheduler(self, scheduler: Any) -> None:
-        self.schedulers.append((scheduler, scheduler.last_epoch))
-
-    def check_schedulers(self) -> None:
-        for scheduler, seen in self.schedulers:
-            if scheduler.last_epoch != seen:
-                raise PhalanxError(
-                    "scheduler.step() was called directly; remove it: "
-                    "phalanx steps the scheduler once per optimizer step"
-                )
-
-    def mark_schedulers(self) -> None:
-        """What each scheduler's counter is after phalanx stepped (or a checkpoint set) it; any
-        other change is the user's own scheduler.step()."""
-        self.schedulers = [(scheduler, scheduler.last_epoch) for scheduler, _ in self.schedulers]
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import json
 import random
 import time
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -60,6 +60,7 @@ from phalanx.session.loader_roles import LoaderRoles
 from phalanx.session.loop_checks import LoopChecks
 from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
+from phalanx.session.schedulers import Schedulers
 from phalanx.session.state import TrainState
 from phalanx.session.weights import Weights
 from phalanx.strategies import create_strategy
@@ -79,7 +80,8 @@ class Session:
             config = load_config(sections=sections, context=self._context)
         elif sections or (self._context and self._context.overrides) or config.preset != "none":
             config = override_config(config, sections, self._context)  # (a preset is resolved there too)
-        self.topology = Topology.from_env()
+        # launch.cpu forces the CPU from the script too (Session(launch={"cpu": True})), not only through the launcher.
+        self.topology = Topology.from_env(force_cpu=True if config.launch.cpu else None)
         if self.topology.launched:  # under plain torchrun too: this rank ends with its agent
             watch_launcher(f"rank {self.topology.rank}")
         self.config = config = fit_to_device(config, self.topology.device)
@@ -109,9 +111,12 @@ class Session:
         self.sync_gradients = True  # False inside accumulate() on all but the last micro-step
         self.last_throughput: Throughput | None = None
         self._in_accumulate = False
-        self._guards = PortingGuards(self._micro_steps_before)  # stray step / zero_grad / scheduler.step
+        self._short_window = False  # a window of session.backward(loss) calls without the block
+        self._short_form_said = False
+        # A stray optimizer.step() or zero_grad().
+        self._guards = PortingGuards(self._micro_steps_before, lambda: self._short_window)
+        self._schedulers = Schedulers(self._mid_window, self.print)  # phalanx's to step, or the script's
         self._unscaled = False
-        self._schedulers_stepped: set[int] = set()  # the schedulers phalanx stepped once already
         self._last_loss: torch.Tensor | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._weights = Weights(self.strategy, self.topology, self._models)  # load_weights, uninitialised modules
@@ -266,11 +271,12 @@ class Session:
         )
         out: list[Any] = [None] * len(objects)
         roles = self._roles.classify(objects, self._loaders)
+        caller = inspect.currentframe().f_back  # where the script may step its schedulers (schedulers.py)
         capped = self._memory_cap is not None and self.state.step == 0
         if capped:
             self._memory_cap.begin_setup()
         for i in order:
-            out[i] = self._setup_one(objects[i], *roles.get(i, (False, False)))
+            out[i] = self._setup_one(objects[i], caller, *roles.get(i, (False, False)))
         self._batch.finish_setup()
         if not self._seeded and self._models:
             # Every rank built the same initial weights from the same seed; from here on ranks
@@ -281,6 +287,7 @@ class Session:
             self._seeded = True
         self._set_up = True
         self._announce()
+        self.strategy.batch_norms.say(self._batch.plan, self.print)  # BatchNorm left per process
         if capped:
             kind, layout = type(self.strategy), self.strategy.layout
             shards = layout.divisor(kind.sharding(self.config.strategy).parameters) > 1
@@ -291,35 +298,29 @@ class Session:
         self._recovery.resume_if_set_up()
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _setup_one(self, obj: Any, train: bool, implicit: bool = False) -> Any:
+    def _setup_one(self, obj: Any, caller: Any, train: bool, implicit: bool = False) -> Any:
         if isinstance(obj, DataLoader):
             return self._setup_loader(obj, train=train, implicit=implicit)
         if isinstance(obj, nn.Module):
             return self._setup_model(obj)
         if isinstance(obj, torch.optim.Optimizer):
             return self._setup_optimizer(obj)
-        if isinstance(obj, ReduceLROnPlateau):
-            raise PhalanxError(
-                "ReduceLROnPlateau needs a metric, so phalanx cannot step it per optimizer step; "
-                "leave it out of setup() and call scheduler.step(metric) yourself after each evaluation"
-            )
-        if isinstance(obj, LRScheduler):
-            self._guards.add_scheduler(obj)
+        if isinstance(obj, (LRScheduler, ReduceLROnPlateau)):
+            self._schedulers.add(obj, caller, needs_metric=isinstance(obj, ReduceLROnPlateau))
             return obj
         raise PhalanxError(f"setup() takes models, optimizers, DataLoaders and LR schedulers, not {type(obj).__name__}")
 
     def set_tp_plan(self, plan: Mapping[str, Any]) -> None:
         """Tensor parallelism's plan in Python, before the model's ``setup()``: module-name glob
         patterns to style names or DTensor ``ParallelStyle`` objects (for what the config's names
-        cannot say: input and output layouts). It wins over ``strategy.tp.plan``."""
-        if TENSOR not in self.strategy.axes:
-            raise PhalanxError(
-                f"session.set_tp_plan(): strategy {self.strategy.name} splits no layers; use strategy tp, "
-                "or fsdp with strategy.tp.size > 1"
-            )
+        cannot say: input and output layouts). It wins over ``strategy.tp.plan``. Taken under every
+        strategy, so the strategy stays one config line; one that splits no layers says so."""
         if self._models:
             raise PhalanxError("session.set_tp_plan() comes before setup() of the model: the plan splits it there")
         self.strategy.given_tp_plan = dict(plan)
+        unused = self.strategy.unused_tp_plan_line()
+        if unused:
+            self.print(unused)
 
     def setup_loader(self, loader: DataLoader, *, train: bool, fixed_layout: bool = False) -> DeviceLoader:
         """Shard one DataLoader explicitly as a training (``train=True``) or evaluation loader, before
@@ -389,6 +390,7 @@ class Session:
         model = self.strategy.place(model)
         self._compute.before_wrap(model)
         apply_activation_checkpointing(model, self.config.strategy.activation_checkpointing)
+        self.strategy.batch_norms.prepare(model)  # SyncBatchNorm over the data group, on any device
         wrapped = self.strategy.wrap_model(model)
         self._batch.model_wrapped()
         if self.precision.mode != "fp32":
@@ -412,8 +414,11 @@ class Session:
         self._recovery.ensure_resumed()
 
     def _after_load(self) -> None:
-        self._guards.mark_schedulers()
+        self._schedulers.mark()
         self._weights.filled()  # a checkpoint fills every tensor, uninitialised ones too
+
+    def _mid_window(self) -> bool:
+        return 0 < self.state.micro < self._batch.accumulation_steps
 
     def _micro_steps_before(self) -> int:
         return self.state.micro - (self._forward_micro if self._in_accumulate else 0)
@@ -521,15 +526,40 @@ class Session:
         recovery = self._recovery
         if not recovery.resume_checked:
             recovery.ensure_resumed()
-        recovery.flush()  # the save the last step asked for, now that its iteration is done
-        recovery.beat()
+        self._count_micro_step()
+        self._in_accumulate = True
+        return None if self.sync_gradients else self.strategy.no_sync(model)
+
+    def _count_micro_step(self) -> None:
+        self._recovery.flush()  # the save the last step asked for, now that its iteration is done
+        self._recovery.beat()
         # A forward may hold several of the loader's micro-batches (batch.adaptive joins them):
         # micro-steps count micro-batches, so the window and the loss's share stay the plan's.
         self._forward_micro, self._joined_batch = self._joined_batch, 1
         self.state.micro += self._forward_micro
         self.sync_gradients = self.state.micro >= self._batch.accumulation_steps
-        self._in_accumulate = True
-        return None if self.sync_gradients else self.strategy.no_sync(model)
+
+    def _short_form_micro_step(self) -> contextlib.AbstractContextManager:
+        """``session.backward(loss)`` without the ``accumulate()`` block while the plan accumulates:
+        the backward is a micro-step, and ``session.step()`` steps at the window's last one. Its
+        forward ran before phalanx knew, so where the forward decides whether gradients are
+        synchronised (DDP's reducer) every micro-step synchronises: the same gradients, more traffic."""
+        self._count_micro_step()
+        self._short_window = True
+        if self.sync_gradients:
+            return contextlib.nullcontext()
+        if not self._short_form_said and self.strategy.ddp_buckets and self.strategy.data_parallel_size > 1:
+            self._short_form_said = True
+            steps = self._batch.accumulation_steps
+            self.print(
+                f"phalanx: session.backward(loss) outside `with session.accumulate(model):` with {steps} micro-steps "
+                f"per optimizer step: DDP synchronises the gradients of every micro-step ({steps}x the gradient "
+                "traffic); the block synchronises only the last"
+            )
+        stack = contextlib.ExitStack()
+        for model in self._models:  # where the backward decides (fsdp, tp), it skips the synchronisation
+            stack.enter_context(self.strategy.no_sync(model))
+        return stack
 
     def _micro_step_ends(self, failed: bool) -> None:
         self._in_accumulate = False
@@ -543,16 +573,15 @@ class Session:
         the optimizer step's gradient is then the mean over every item of the global batch, across
         micro-steps and processes, and the reported loss is that mean too (session/items.py)."""
         steps = self._batch.accumulation_steps
-        joined = self._forward_micro if self._in_accumulate else 1
-        if steps > 1 and not self._in_accumulate:
-            raise PhalanxError(
-                f"accumulation_steps is {steps}: "
-                "put the forward and session.backward(loss) inside `with session.accumulate(model):`"
-            )
         if not self._recovery.resume_checked:
             self._recovery.refuse_late_resume("session.backward()")
-        if not self._in_accumulate:
+        windowed = self._in_accumulate
+        syncing: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if steps > 1 and not windowed:
+            syncing, windowed = self._short_form_micro_step(), True
+        elif not windowed:
             self._recovery.flush()
+        joined = self._forward_micro if windowed else 1
         weighted = items is not None
         if weighted and not self.strategy.weighs_items:
             raise PhalanxError(
@@ -565,21 +594,25 @@ class Session:
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
         first = self.state.micro == joined
-        self._gradients.before_backward(self.precision.scaler is not None, self._in_accumulate and not first)
+        self._gradients.before_backward(self.precision.scaler is not None, windowed and not first)
         where = (self.state.step, first, joined, steps, self.sync_gradients)
         noise = self._batch.noise
-        estimates = noise.estimates  # the probe's calls are skipped, not only empty, where it never measures
+        # The probe's calls are skipped, not only empty, where it never measures; and where the short
+        # form's micro-steps all synchronised (DDP), no gradient of the window is a rank's own.
+        estimates = noise.estimates and not (self._short_window and self.strategy.ddp_buckets)
         if estimates:
             noise.before_backward(*where)
         if weighted:
             scaled = self._items.scaled_loss(loss, items, steps)
             if self.sync_gradients:
                 self._items.start_reduce()  # overlaps the gradients' own reduction in the backward
-            self.strategy.backward(scaled, self.precision, 1)
+            with syncing:
+                self.strategy.backward(scaled, self.precision, 1)
             self._last_loss = self._items.finish(self._models) if self.sync_gradients else loss.detach()
         else:
             # The mean over `joined` micro-batches is `joined` of the step's 1/steps shares.
-            self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
+            with syncing:
+                self._last_loss = self.strategy.backward(loss, self.precision, steps / joined if joined > 1 else steps)
         if estimates:
             noise.after_backward(*where, self.precision.scaler, self._items.mean_factor if weighted else None)
         self._gradients.after_backward(self.sync_gradients, self.clip_grad_norm_)
@@ -604,6 +637,8 @@ class Session:
         """Optimizer step (with lr scaling and warm-up), scheduler step and zero_grad, once."""
         if not self._recovery.resume_checked:
             self._recovery.refuse_late_resume("session.step()")
+        if self._short_window and not self.sync_gradients:
+            return  # a micro-step of the short form: the window's last one steps
         if self._in_accumulate:
             raise PhalanxError(
                 "session.step() was called inside `with session.accumulate(model):`, whose end steps already "
@@ -615,9 +650,9 @@ class Session:
         # scheduler, no noise probe) are not called at all.
         state, batch, guards, noise = self.state, self._batch, self._guards, self._batch.noise
         self._loop.before_step(batch.accumulation_steps, self._models)
-        schedulers = guards.schedulers
+        schedulers = self._schedulers.stepped_by_phalanx and self._schedulers
         if schedulers:
-            guards.check_schedulers()
+            schedulers.before_step()
         estimated = self.metrics.noise_estimated = noise.estimates and noise.measuring(state.step)
         max_norm = self.config.optim.max_grad_norm
         if max_norm is not None and self._gradients.clips_at_step():
@@ -633,8 +668,7 @@ class Session:
                 self._loop.at_step()
                 state.step += 1
                 if schedulers:
-                    self._step_schedulers(schedulers)
-                    guards.mark_schedulers()
+                    schedulers.step(batch.schedule_steps)
             for opt in self._optimizers:
                 opt.zero_grad(set_to_none=True)
             self._gradients.after_step()  # without an optimizer: the models' gradients, after the script's update
@@ -668,25 +702,6 @@ class Session:
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
 
-    def _step_schedulers(self, schedulers: list) -> None:
-        steps = self._batch.schedule_steps
-        if all(id(sched) in self._schedulers_stepped for sched, _ in schedulers):
-            for _ in range(steps):  # torch's two warnings below come only from a scheduler's first step
-                for sched, _ in schedulers:
-                    sched.step()
-            return
-        self._schedulers_stepped = {id(sched) for sched, _ in schedulers}
-        with warnings.catch_warnings():
-            # A sharding strategy steps a new optimizer built on the scheduler's param groups;
-            # torch cannot see that the step came first, phalanx guarantees it.
-            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning)
-            warnings.filterwarnings(
-                "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
-            )
-            for _ in range(steps):
-                for sched, _ in schedulers:
-                    sched.step()
-
     def _discard_partial_window(self) -> None:
         # Only reachable with unsharded (iterable) loaders: the last micro-steps were not
         # synchronised, so stepping on them would let ranks diverge.
@@ -702,6 +717,7 @@ class Session:
 
     def _window_done(self) -> None:
         """An accumulation window ended (a step, or one dropped): what each collaborator kept of it goes."""
+        self._short_window = False
         self._items.reset()
         self._roles.window_done()
         self._loop.window_done()
@@ -808,7 +824,7 @@ class Session:
         return TrainingObjects(
             models=self._models,
             optimizers=self._optimizers,
-            schedulers=[sched for sched, _ in self._guards.schedulers],
+            schedulers=self._schedulers.all,
             state=self.state,
             precision=self.precision,
             internal_steps=self._guards.stepping,
