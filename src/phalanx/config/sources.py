@@ -87,7 +87,7 @@ def check_overrides(schema: type[BaseModel], lines: Iterable[str], names: Mappin
     rules, naming a bad value by ``names[key]`` (the flag that stands for the key)."""
     tree = schema().model_dump()
     sources = {k: "default" for k in flatten(tree)}
-    _merge(tree, _nest(dict(parse_override(line, schema) for line in lines)), "--set", sources)
+    _merge(tree, _nest(dict(parse_override(line, schema) for line in lines)), "--set", sources, schema)
     try:
         schema.model_validate(tree)
     except ValidationError as err:
@@ -108,15 +108,31 @@ def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def _merge(base: dict, layer: Mapping, source: str, sources: dict[str, str], prefix: str = "") -> None:
+def _merge(
+    base: dict, layer: Mapping, source: str, sources: dict[str, str], schema: Any = None, prefix: str = ""
+) -> None:
+    """Lay ``layer`` over ``base``: a section (a part of ``schema`` that is itself a model) merges key
+    by key; a setting takes the later layer's value whole, a map too (``strategy.tp.plan={}`` from
+    --set empties the file's plan, as docs/config.md says a later layer wins). Where ``schema``
+    does not know a key, its mappings merge: validation names it after."""
     for key, value in layer.items():
         path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value, source, sources, path + ".")
+        field = schema.model_fields.get(key) if schema is not None else None
+        section = _section(field)
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict) and (field is None or section):
+            _merge(base[key], value, source, sources, section, path + ".")
         else:
             base[key] = copy.deepcopy(value)
+            for leaf in [k for k in sources if k.startswith(path + ".")]:  # the entries of the map it replaces
+                del sources[leaf]
             for leaf in flatten({key: value}, prefix).keys() if isinstance(value, Mapping) else [path]:
                 sources[leaf] = source
+
+
+def _section(field: Any) -> type[BaseModel] | None:
+    """The model class of a field that is a section of the tree, else None."""
+    annotation = getattr(field, "annotation", None)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def _code_sections(sections: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,12 +237,12 @@ def resolve(
         candidate = cwd / DEFAULT_FILE if cwd else Path(DEFAULT_FILE)
         file = candidate if candidate.is_file() else None
     if file is not None:
-        _merge(tree, read_file(file), f"file {file}", sources)
+        _merge(tree, read_file(file), f"file {file}", sources, schema)
     if sections:
-        _merge(tree, _code_sections(sections), "code", sources)
+        _merge(tree, _code_sections(sections), "code", sources, schema)
     lines = list(overrides) + list(context.overrides if context else ())
     if lines:
-        _merge(tree, _nest(dict(parse_override(line, schema) for line in lines)), "--set", sources)
+        _merge(tree, _nest(dict(parse_override(line, schema) for line in lines)), "--set", sources, schema)
 
     return _validated(schema, tree, sources, context)
 
@@ -237,9 +253,10 @@ def override(config: T, sections: Mapping[str, Any], context: LaunchContext | No
     sources = dict(config.sources) or _set_in_code(config)
     tree = config.model_dump()
     if sections:
-        _merge(tree, _code_sections(sections), "code", sources)
+        _merge(tree, _code_sections(sections), "code", sources, type(config))
     if context and context.overrides:
-        _merge(tree, _nest(dict(parse_override(line, type(config)) for line in context.overrides)), "--set", sources)
+        lines = context.overrides
+        _merge(tree, _nest(dict(parse_override(line, type(config)) for line in lines)), "--set", sources, type(config))
     return _validated(type(config), tree, sources, context)
 
 
