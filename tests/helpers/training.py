@@ -44,13 +44,16 @@ def train(
     optimizer_flags: dict | None = None,
     head2_until: int | None = None,
     compiled_by_user: bool = False,
+    short_form: bool = False,
     save_to: str | None = None,
     catch_errors: bool = False,
     **sections,
 ) -> dict:
     """Train through a Session and report what it did. ``optimizer_flags``: the optimizer's own
     constructor flags (foreach=True, ...); ``head2_until``: the loss uses head2 in steps before this
-    one only; ``catch_errors``: a PhalanxError in the loop is returned as ``error``."""
+    one only; ``short_form``: the loop of a one-GPU script (``optimizer.zero_grad()``,
+    ``session.backward(loss)``, ``session.step()``) instead of the ``accumulate()`` block;
+    ``catch_errors``: a PhalanxError in the loop is returned as ``error``."""
     # Never resume from a ./checkpoints another run left in the working directory.
     sections["checkpoint"] = {"dir": save_to or "checkpoints", "resume": "never"}
     session = Session(
@@ -80,8 +83,13 @@ def train(
                 if head2_until is not None and session.step_count >= head2_until:
                     bare.use_head2 = False
                 micro_steps += 1
-                with session.accumulate(net):
+                if short_form:
+                    opt.zero_grad()
                     session.backward(F.mse_loss(net(x), y))
+                    session.step()
+                else:
+                    with session.accumulate(net):
+                        session.backward(F.mse_loss(net(x), y))
                 if session.sync_gradients:
                     lrs.append(scheduler.get_last_lr()[0])
     except PhalanxError as err:
