@@ -172,6 +172,22 @@ class Strategy:
         # Modules built under init_module(initialize=False): materialised, never initialised.
         self.skip_init: weakref.WeakSet = weakref.WeakSet()
 
+    @property
+    def splits_by_tp_plan(self) -> bool:
+        """Whether setup() splits the model with the tensor-parallel plan (tp; fsdp in 2-D)."""
+        return False
+
+    def unused_tp_plan_line(self) -> str | None:
+        """The line that says a plan given in Python does nothing here, or None where it splits the
+        model: set_tp_plan() is taken under every strategy, so one script runs under each of them."""
+        if self.splits_by_tp_plan:
+            return None
+        size = f" with strategy.tp.size {self.layout.tp}" if TENSOR in self.axes else ""
+        return (
+            f"phalanx: strategy {self.name}{size} splits no layers over tensor-parallel peers; "
+            "session.set_tp_plan() is kept for strategy tp, or fsdp with strategy.tp.size > 1"
+        )
+
     # -- launcher side --------------------------------------------------------------------
     @classmethod
     def check_world(cls, world_size: int) -> None:

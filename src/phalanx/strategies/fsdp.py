@@ -113,6 +113,10 @@ class FSDP(DTensorStrategy):
                 "or launch on GPUs"
             )
 
+    @property
+    def splits_by_tp_plan(self) -> bool:
+        return self.layout.tp > 1
+
     def place(self, model: nn.Module) -> nn.Module:
         # A deferred model stays on meta: wrap_model materialises each unit just before sharding it.
         # In the 2-D layout it is materialised whole first: the tensor-parallel split needs real
@@ -137,7 +141,7 @@ class FSDP(DTensorStrategy):
             )
         if opts.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        if self.layout.tp > 1:  # 2-D: split layers over the tensor peers, then shard over the data axis
+        if self.splits_by_tp_plan:  # 2-D: split layers over the tensor peers, then shard over the data axis
             self.split_tensor_parallel(model)
             kwargs["mesh"] = self.mesh["dp_shard"]
         # A deferred model is materialised one unit at a time, each sharded at once: the set-up peak

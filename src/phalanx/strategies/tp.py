@@ -47,6 +47,10 @@ class TensorParallel(DTensorStrategy):
         self._models: list[nn.Module] = []
         self._syncing = True  # False inside no_sync(): accumulation's other micro-steps
 
+    @property
+    def splits_by_tp_plan(self) -> bool:
+        return True  # over one process too: a mesh of one device, the plan applied
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.topology.world_size > 1:
             # As DDP does: a script that changes weights on rank 0 only (a load of its own) trains
