@@ -473,6 +473,12 @@ class Session:
         self._recovery.ensure_resumed()
         self._loop.follows_count()  # the loop's length is phalanx's
         self.state.epochs_driven = True
+        if self.state.resumed and self.state.epoch >= total and not self._step_limit.reached():
+            self.print(
+                f"phalanx: the checkpoint's run had finished its {self.state.epoch} epoch(s): nothing to train; to "
+                "train on, raise the epoch count (train.epochs, or the script's own argument), or start afresh with "
+                "checkpoint.resume: never"
+            )
         for epoch in range(self.state.epoch, total):
             if self._step_limit.reached():
                 return  # the epoch stays where training stopped: a resume with a higher limit goes on from there

@@ -93,7 +93,9 @@ class TrainState:
         ended = self.at_epoch_end()
         if ended:
             data = [{"epoch": loader.epoch + 1, "position": 0} for loader in self.loaders]
-            epoch += 1
+            # The loaders' epoch, not the counter: after session.epochs() has ended, the counter is
+            # past the last epoch already (a final save after the loop is one epoch on, not two).
+            epoch = max(epoch, max(loader.epoch for loader in self.loaders) + 1)
         state = {"step": self.step, "epoch": epoch, "data": data, "rng": rng.capture(self.devices)}
         if ended:
             state["epoch_start"] = True
