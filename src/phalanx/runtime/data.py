@@ -23,6 +23,7 @@ from phalanx._torch_compat import sampler_has_custom_num_samples, shutdown_persi
 from phalanx.config.schema import DataConfig
 from phalanx.errors import PhalanxError
 from phalanx.runtime.pinning import choose_pin, first_batch
+from phalanx.runtime.presplit import presplit
 from phalanx.runtime.shares import StreamShare
 from phalanx.runtime.transfer import PlainTransfer, StreamTransfer, Transfer, staged
 from phalanx.topology import cpu_count
@@ -352,7 +353,10 @@ def shard_loader(
             "a custom batch_sampler cannot be split over processes"
         )
     shuffle = _shuffles(loader)
+    split = presplit(loader)
     drop_last = train and (options.drop_last or loader.drop_last)
+    if split is not None:
+        seed, drop_last = split.seed, drop_last or split.drop_last
     sampler = ShardedSampler(
         len(loader.dataset),
         rank,
@@ -415,6 +419,9 @@ def _shuffles(loader: DataLoader) -> bool:
         return True
     if isinstance(loader.sampler, (SequentialSampler, ShardedSampler)):
         return False
+    split = presplit(loader)
+    if split is not None:
+        return split.shuffle
     raise PhalanxError(
         f"the DataLoader uses a {type(loader.sampler).__name__}, which phalanx cannot split over processes; "
         "build it with shuffle=True or shuffle=False and let phalanx shard it"
@@ -432,7 +439,8 @@ def loader_roles(shuffling: list[bool], *, with_optimizer: bool, training_set_up
 
 
 def shuffles(loader: DataLoader) -> bool:
-    return isinstance(loader.sampler, RandomSampler)
+    split = presplit(loader)
+    return isinstance(loader.sampler, RandomSampler) or (split is not None and split.shuffle)
 
 
 def _batch_len(batch: Any) -> int:

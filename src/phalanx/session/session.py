@@ -44,6 +44,7 @@ from phalanx.runtime.data import DeviceLoader, shard_loader
 from phalanx.runtime.lr import LRScaling
 from phalanx.runtime.memory_cap import MemoryCap
 from phalanx.runtime.precision import Precision
+from phalanx.runtime.presplit import given_global_batch
 from phalanx.runtime.progress import Throughput, track
 from phalanx.runtime.recompute import apply_activation_checkpointing
 from phalanx.runtime.shares import shard_tensors
@@ -345,7 +346,7 @@ class Session:
         self._roles.before_setup(train)
         dp = self.strategy.data_parallel_size
         if train:
-            plan = self._batch.plan_loader(loader.batch_size)
+            plan = self._batch.plan_loader(given_global_batch(loader, dp, self.print))
             batch_size, multiple_of = plan.micro_batch_size, plan.global_batch_size
         else:
             # Padding the order to a multiple of the process count gives every rank the same number
