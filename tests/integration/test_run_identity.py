@@ -109,3 +109,69 @@ def test_plain_torchrun_refuses_on_every_rank_at_setup(tmp_path):
     refusals = [line for line in (out + err).splitlines() if "belongs to another run: train.seed: 0 -> 5;" in line]
     assert len(refusals) == 2, out + err  # each rank's own PhalanxError, the same line
     assert "checkpoint.resume_any_run: true" in refusals[0] and "finished" not in out
+
+
+# Issue 41: a script with its own arguments, as pytorch/examples' imagenet writes them. It saves
+# where --ckpt-dir says (in code), else in checkpoint.dir's default.
+ARGS_SCRIPT = textwrap.dedent(
+    """
+    import argparse
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import phalanx
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("-p", "--print-freq", type=int, default=10)
+    parser.add_argument("--resume", default="")
+    parser.add_argument("--ckpt-dir", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    own = {"dir": args.ckpt_dir} if args.ckpt_dir else {}
+    train = {"epochs": args.epochs, "progress": False, "metrics": False}
+    session = phalanx.Session(batch={"global_batch_size": 8}, train=train, checkpoint=own)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    model, optimizer, loader = session.setup(model, optimizer, DataLoader(data, batch_size=8))
+    for _ in session.epochs():
+        for x, y in session.progress(loader):
+            with session.accumulate(model):
+                session.backward(nn.functional.mse_loss(model(x), y))
+    session.save()
+    if session.is_main:
+        print(f"finished at step {session.step_count}")
+    session.close()
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_resume_follows_the_scripts_arguments_and_its_own_directory(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(ARGS_SCRIPT)
+
+    def launch(*args: str):
+        return run_phalanx("launch", "--cpu", "--nproc", "2", str(script), *args, cwd=tmp_path, timeout=120)
+
+    first = launch("--epochs", "1", "--lr", "0.1")
+    assert first.returncode == 0 and "finished at step 2" in first.output, first.output
+    (saved,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")]
+
+    changed = launch("--epochs", "2", "--lr", "0.2")
+    assert changed.returncode == 2, changed.output
+    refusals = {line for line in changed.output.splitlines() if "belongs to another run" in line}
+    assert len(refusals) == 1 and "Traceback" not in changed.output, changed.output
+    assert "belongs to another run: script argument --lr 0.1 (checkpoint) vs --lr 0.2 (now);" in refusals.pop()
+
+    # More epochs, a resume path, another print frequency, another order: the same run, trained on.
+    longer = launch("-p", "5", "--lr=0.1", "--resume", "checkpoints", "--epochs", "2")
+    assert longer.returncode == 0, longer.output
+    assert f"resumed from {saved}: step 2" in longer.output and "finished at step 4" in longer.output
+
+    # Its own directory, chosen in code: the default one's checkpoints are not its business.
+    own = launch("--lr", "0.3", "--ckpt-dir", "own")
+    assert own.returncode == 0 and "resumed from" not in own.output, own.output
+    assert "finished at step 2" in own.output and (tmp_path / "own" / "latest").exists()

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import phalanx
 from phalanx.checkpoint import files, run_identity
 from phalanx.checkpoint.run_identity import RunIdentity
+from phalanx.config.loader import load_config
 from phalanx.config.schema import Config
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.launch.preflight import check_checkpoint_owner
@@ -98,6 +99,7 @@ ALTERNATIVES: dict[str, list[Any]] = {
     "checkpoint.keep_last": [1, None],
     "checkpoint.resume": ["never"],
     "checkpoint.resume_any_run": [True],
+    "checkpoint.ignore_args": [["--eval-every"]],
     "faults.hang_timeout": [60.0],
     "faults.first_step_timeout": [600.0],
     "faults.preempt_grace": [30.0],
@@ -245,7 +247,8 @@ def test_script_identity_hashes_content_and_keeps_arguments(tmp_path):
     found = run_identity.differences({"script": first}, {"script": edited})
     assert found == [
         "script train.py: its content differs from the one that saved it",
-        "script arguments: --lr 3e-4 -> --lr 1e-3 --name 'a b'",
+        "script argument --lr 3e-4 (checkpoint) vs --lr 1e-3 (now)",
+        "script argument without --name (checkpoint) vs --name 'a b' (now)",
     ]
     assert run_identity.differences({"script": None}, {"script": edited}) == []  # nothing to compare
 
@@ -360,51 +363,88 @@ def test_a_damaged_run_record_is_named(saved, run, problem):
 
 # -- phalanx launch's preflight ---------------------------------------------------------------------
 
+# What the fixture's script sets in code (_session), as a Session under phalanx launch records it.
+SET_IN_CODE = ["batch.global_batch_size", "train.epochs", "train.metrics", "train.progress"]
 
-def _as_launched(saved: Path, config: Config, script: Path, args: list[str]) -> dict:
-    """Make the checkpoint one that phalanx launch started: its launcher's view recorded."""
+
+def _as_launched(saved: Path, config: Config, script: Path, args: list[str], chosen=SET_IN_CODE) -> dict:
+    """Make the checkpoint one that phalanx launch started: its script, arguments and the launcher's
+    view recorded, and ``chosen``, the settings its script set itself."""
     where = files.latest(saved)
     manifest = json.loads((where / files.MANIFEST).read_text())
     launched = run_identity.of_launch(config, _keys("single"), str(script), args)
-    manifest["run"]["launch"] = launched
+    manifest["run"].update(launch=launched, script=launched["script"], script_set=chosen)
     (where / files.MANIFEST).write_text(json.dumps(manifest))
     return launched
 
 
-def test_preflight_refuses_another_runs_checkpoint_in_one_line(saved, tmp_path):
+def _check(changes: dict[str, Any], script: Path, args: list[str]) -> None:
+    config = _config(changes)
+    check_checkpoint_owner(config, run_identity.of_launch(config, _keys("single"), str(script), args))
+
+
+def test_preflight_refuses_in_one_line_what_the_workers_would_refuse_for_certain(saved, tmp_path):
     script = tmp_path / "train.py"
     script.write_text("pass\n")
     base = Config.load(overrides=[f"checkpoint.dir={saved}"])
-    launched = _as_launched(saved, base, script, ["--x", "1"])
-    check_checkpoint_owner(base.checkpoint, launched)  # the same command passes
-    longer = _config({"checkpoint.dir": str(saved), "train.max_steps": 900, "launch.nproc": 4})
-    check_checkpoint_owner(longer.checkpoint, run_identity.of_launch(longer, _keys("ddp"), str(script), ["--x", "1"]))
-    changed = _config({"checkpoint.dir": str(saved), "precision.mode": "bf16"})
+    _as_launched(saved, base, script, ["--x", "1"])
+    _check({"checkpoint.dir": str(saved)}, script, ["--x", "1"])  # the same command passes
+    _check({"checkpoint.dir": str(saved), "train.max_steps": 900, "launch.nproc": 4}, script, ["--x", "1"])
+    # A counted setting on the command line wins over anything the script sets: certain.
     with pytest.raises(PhalanxError) as err:
-        check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(script), ["--x", "1"]))
+        _check({"checkpoint.dir": str(saved), "precision.mode": "bf16"}, script, ["1", "--x"][::-1])
     line = str(err.value)
     assert "\n" not in line and "step-00000002' (step 2, saved " in line
     assert "precision.mode: fp32 -> bf16" in line and "--set checkpoint.resume_any_run=true" in line
-    with pytest.raises(PhalanxError, match=r"script arguments: --x 1 -> --x 2"):
-        check_checkpoint_owner(base.checkpoint, run_identity.of_launch(base, "single", str(script), ["--x", "2"]))
     for way_out in ({"checkpoint.resume_any_run": True}, {"checkpoint.resume": "never"}):
-        other = _config({"checkpoint.dir": str(saved), "precision.mode": "bf16", **way_out})
-        check_checkpoint_owner(other.checkpoint, run_identity.of_launch(other, "single", str(script), ["--x", "1"]))
+        _check({"checkpoint.dir": str(saved), "precision.mode": "bf16", **way_out}, script, ["--x", "1"])
 
 
-def test_preflight_without_a_launch_view_compares_the_script_only(saved, tmp_path):
-    # Written under plain torchrun (here: in-process): the Session checks the settings at setup.
+@pytest.mark.parametrize(
+    "why, args, chosen, edit",
+    [
+        ("other arguments may choose another directory in code", ["--x", "2"], SET_IN_CODE, False),
+        ("an added --resume PATH may be what the script resumes from", ["--x", "1", "--resume", "a"], [], False),
+        ("an edited script may set its own checkpoint.dir", ["--x", "1"], SET_IN_CODE, True),
+        ("the script chose its resume mode in code", ["--x", "1"], [*SET_IN_CODE, "checkpoint.resume"], False),
+        ("the script chose its checkpoint.dir in code", ["--x", "1"], [*SET_IN_CODE, "checkpoint.dir"], False),
+        ("the script chose the setting in code", ["--x", "1"], [*SET_IN_CODE, "precision.mode"], False),
+        ("recorded before script_set", ["--x", "1"], None, False),
+    ],
+)
+def test_preflight_leaves_to_the_workers_what_the_script_may_decide(saved, tmp_path, why, args, chosen, edit):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    config = Config.load(overrides=[f"checkpoint.dir={saved}"])
+    _as_launched(saved, config, script, ["--x", "1"], chosen)
+    if edit:
+        script.write_text("pass  # edited\n")
+    file = tmp_path / "phalanx.yaml"  # settings from the launcher's file, which code wins over
+    file.write_text(f"precision: {{mode: bf16}}\ncheckpoint: {{dir: {json.dumps(str(saved))}}}\n")
+    changed = load_config(str(file))
+    check_checkpoint_owner(changed, run_identity.of_launch(changed, _keys("single"), str(script), args))
+
+
+def test_preflight_counts_a_file_setting_the_script_leaves_to_the_launcher(saved, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    _as_launched(saved, Config.load(overrides=[f"checkpoint.dir={saved}"]), script, [])
+    file = tmp_path / "phalanx.yaml"
+    file.write_text("precision: {mode: bf16}\n")
+    changed = load_config(str(file), overrides=[f"checkpoint.dir={saved}"])
+    with pytest.raises(PhalanxError, match="precision.mode: fp32 -> bf16"):
+        check_checkpoint_owner(changed, run_identity.of_launch(changed, _keys("single"), str(script), []))
+
+
+def test_preflight_leaves_a_checkpoint_written_without_phalanx_launch_to_the_session(saved, tmp_path):
     script = tmp_path / "train.py"
     script.write_text("pass\n")
     where = files.latest(saved)
     manifest = json.loads((where / files.MANIFEST).read_text())
     manifest["run"]["script"] = run_identity.script_identity(str(script), [])
     (where / files.MANIFEST).write_text(json.dumps(manifest))
-    changed = _config({"checkpoint.dir": str(saved), "train.seed": 3})
-    check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(script), []))
     script.write_text("pass  # edited\n")
-    with pytest.raises(PhalanxError, match="script train.py: its content differs"):
-        check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(script), []))
+    _check({"checkpoint.dir": str(saved), "train.seed": 3}, script, [])
 
 
 def test_preflight_leaves_another_scripts_checkpoint_to_its_session(saved, tmp_path):
@@ -412,21 +452,17 @@ def test_preflight_leaves_another_scripts_checkpoint_to_its_session(saved, tmp_p
     train, evaluate = tmp_path / "train.py", tmp_path / "evaluate.py"
     train.write_text("pass\n")
     evaluate.write_text("print('evaluating')\n")
-    base = Config.load(overrides=[f"checkpoint.dir={saved}"])
-    _as_launched(saved, base, train, [])
-    changed = _config({"checkpoint.dir": str(saved), "train.seed": 3})
-    check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", str(evaluate), []))
+    _as_launched(saved, Config.load(overrides=[f"checkpoint.dir={saved}"]), train, [])
+    _check({"checkpoint.dir": str(saved), "train.seed": 3}, evaluate, [])
 
 
 def test_preflight_passes_an_empty_or_old_directory(tmp_path, saved):
-    config = _config({"checkpoint.dir": str(tmp_path / "none")})
-    check_checkpoint_owner(config.checkpoint, run_identity.of_launch(config, "single", "x.py", []))
+    _check({"checkpoint.dir": str(tmp_path / "none")}, Path("x.py"), [])
     where = files.latest(saved)
     manifest = json.loads((where / files.MANIFEST).read_text())
     del manifest["run"]
     (where / files.MANIFEST).write_text(json.dumps(manifest))
-    changed = _config({"checkpoint.dir": str(saved), "train.seed": 3})
-    check_checkpoint_owner(changed.checkpoint, run_identity.of_launch(changed, "single", "x.py", []))
+    _check({"checkpoint.dir": str(saved), "train.seed": 3}, Path("x.py"), [])
 
 
 def test_the_session_takes_the_launchers_script_and_records_its_view(tmp_path):
@@ -446,3 +482,53 @@ def test_another_script_is_named_as_another_script(tmp_path):
     saved = {"script": run_identity.script_identity(str(train), [])}
     now = {"script": run_identity.script_identity(str(plan), [])}
     assert run_identity.differences(saved, now) == ["script: train.py saved it, this run is plan.py"]
+
+
+# -- the script's arguments, at setup -----------------------------------------------------------------
+
+
+def _run_as(script: Path, args: list[str], monkeypatch, ckpt: Path, capsys, **sections) -> str:
+    monkeypatch.setattr("sys.argv", [str(script), *args])
+    return _resume(ckpt, capsys, **sections)
+
+
+def test_the_session_compares_arguments_as_options_and_ignores_the_lengthening_ones(tmp_path, monkeypatch, capsys):
+    script, ckpt = tmp_path / "train.py", tmp_path / "ck"
+    script.write_text("pass\n")
+    _run_as(script, ["--lr", "0.1", "--epochs", "1"], monkeypatch, ckpt, capsys, checkpoint={"save_every": 1})
+    longer = ["--epochs=2", "-p", "5", "--resume", str(ckpt), "--lr", "0.1"]
+    assert "resumed from" in _run_as(script, longer, monkeypatch, ckpt, capsys)
+    with pytest.raises(PhalanxError) as err:
+        _run_as(script, ["--lr", "0.2", "--epochs", "2"], monkeypatch, ckpt, capsys)
+    assert "belongs to another run: script argument --lr 0.1 (checkpoint) vs --lr 0.2 (now);" in str(err.value)
+    # checkpoint.ignore_args adds the script's own: here --lr, as if it only observed training.
+    own = _run_as(script, ["--lr", "0.2"], monkeypatch, ckpt, capsys, checkpoint={"ignore_args": ["--lr"]})
+    assert "resumed from" in own
+
+
+def _in_default_directory() -> tuple:
+    torch.manual_seed(0)
+    session = phalanx.Session(batch={"global_batch_size": 8}, train={"epochs": 1, "progress": False, "metrics": False})
+    model = nn.Linear(4, 1)
+    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=8)
+    return session, *session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+
+
+def test_another_scripts_checkpoint_in_the_default_directory_is_named_as_such(tmp_path, monkeypatch):
+    train, evaluate = tmp_path / "train.py", tmp_path / "evaluate.py"
+    train.write_text("print(1)\n")
+    evaluate.write_text("print(2)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", [str(train)])
+    session, model, _, loader = _in_default_directory()
+    _train(session, model, loader)
+    session.save()
+    session.close()
+    monkeypatch.setattr("sys.argv", [str(evaluate)])
+    with pytest.raises(PhalanxError) as err:
+        _in_default_directory()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("the default checkpoint directory 'checkpoints' holds another script's")
+    assert "script: train.py saved it, this run is evaluate.py" in line
+    assert "give this run its own directory (checkpoint.dir)" in line and "checkpoint.resume: never" in line
+    assert "to keep going from that checkpoint set checkpoint.resume_any_run: true" in line

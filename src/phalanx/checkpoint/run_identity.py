@@ -2,17 +2,20 @@
 
 A checkpoint records the run that wrote it under ``"run"`` in its manifest:
 
-    settings   the settings that change what training computes (COUNTED), as the Session resolved
-               them: file, code and --set alike
-    script     the script's resolved path, the SHA-256 of its content and its arguments (null where
-               there is no script file: a notebook, ``python -c``)
-    launch     settings and script as ``phalanx launch`` resolved them before any worker started
-               (null without it)
+    settings    the settings that change what training computes (COUNTED), as the Session resolved
+                them: file, code and --set alike
+    script      the script's resolved path, the SHA-256 of its content and its arguments (null where
+                there is no script file: a notebook, ``python -c``)
+    launch      settings and script as ``phalanx launch`` resolved them before any worker started
+                (null without it)
+    script_set  the settings the script chose itself (in code, in a file of its own, by a preset),
+                which a launcher cannot see
 
-Two views, because the launcher cannot see what the script sets in code (``Session(batch=...)``,
-a ``Config.load()`` of a file of its own): its preflight compares ``launch`` with what it resolves
-now, the same computation from the same inputs, and the Session compares ``settings`` and
-``script`` at setup, which covers plain torchrun. A resume is refused when either differs.
+The Session decides, at setup, where the script's own settings are known: its checkpoint.dir, its
+resume mode, its settings, its script and arguments (compared as options, script_args.py). The
+launcher refuses earlier only what it can tell for certain: the checkpoint in its checkpoint.dir
+was written by the same script with the same arguments, which does again what it did then, and a
+setting differs whose value now the script does not choose (``script_set``).
 
 What does not count, and why, is in docs/checkpoints.md (#which-settings-count).
 """
@@ -20,14 +23,14 @@ What does not count, and why, is in docs/checkpoints.md (#which-settings-count).
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from phalanx.checkpoint import files
+from phalanx.checkpoint import files, script_args
+from phalanx.config.loader import DEFAULT_FILE
 from phalanx.config.schema import Config
 from phalanx.config.sources import one_line
 from phalanx.errors import PhalanxError
@@ -93,10 +96,11 @@ def of_launch(config: Config, strategy_keys: Sequence[str], script: str, args: S
     return {"settings": counted_settings(config, strategy_keys), "script": script_identity(script, args)}
 
 
-def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def differences(saved: dict[str, Any], now: dict[str, Any], ignored_args: Sequence[str] = ()) -> list[str]:
     """How run ``now`` differs from the run ``saved`` of a checkpoint, one phrase per difference
     (the script first). A side without a script, and a setting only one side records (a phalanx
-    version that did not know it, another strategy's option), are not compared."""
+    version that did not know it, another strategy's option), are not compared; nor are the script
+    arguments that only lengthen or observe training (script_args.IGNORED, ``ignored_args``)."""
     out = []
     old, new = saved.get("script"), now.get("script")
     if old and new:
@@ -107,63 +111,103 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
                 if was and was != now_name
                 else f"script {now_name}: its content differs from the one that saved it"
             )
-        if old["args"] != new["args"]:
-            out.append(f"script arguments: {_args(old['args'])} -> {_args(new['args'])}")
+        out += script_args.differences(old["args"], new["args"], ignored_args)
     before, after = saved.get("settings") or {}, now.get("settings") or {}
     out += [f"{key}: {_show(before[key])} -> {_show(new)}" for key, new in after.items() if before.get(key, new) != new]
     return out
 
 
-def refusal(where: Path, manifest: dict[str, Any], found: list[str], *, command_line: bool) -> str:
-    """The one line that stops a resume of ``where`` (whose manifest is ``manifest``)."""
+def refusal(
+    where: Path, manifest: dict[str, Any], found: list[str], *, command_line: bool, shared_default: bool = False
+) -> str:
+    """The one line that stops a resume of ``where`` (whose manifest is ``manifest``). ``shared_default``:
+    another script's checkpoint in checkpoint.dir's default, which every script run in the working
+    directory shares unless it names its own."""
     if command_line:
-        choices = (
-            "to resume it anyway add --set checkpoint.resume_any_run=true; to start afresh give this run its own "
-            "directory with --set checkpoint.dir=DIR (or --set checkpoint.resume=never to start afresh in this one)"
+        anyway, elsewhere, never = (
+            "add --set checkpoint.resume_any_run=true",
+            "with --set checkpoint.dir=DIR",
+            "--set checkpoint.resume=never",
         )
     else:
-        choices = (
-            "to resume it anyway set checkpoint.resume_any_run: true; to start afresh give this run its own "
-            "checkpoint.dir (or set checkpoint.resume: never to start afresh in this one)"
+        anyway, elsewhere, never = (
+            "set checkpoint.resume_any_run: true",
+            "(checkpoint.dir)",
+            "set checkpoint.resume: never",
+        )
+    saved = f"checkpoint '{where}' (step {manifest['step']}, saved {manifest['created']})"
+    if shared_default:
+        return one_line(
+            f"the default checkpoint directory '{where.parent}' holds another script's checkpoints ({_few(found)}): "
+            f"{saved} is not this run's; to start afresh give this run its own directory {elsewhere} "
+            f"(or {never} to start afresh in this one); to keep going from that checkpoint {anyway}"
         )
     return one_line(
-        f"checkpoint '{where}' (step {manifest['step']}, saved {manifest['created']}) belongs to another run: "
-        f"{_few(found)}; {choices}"
+        f"{saved} belongs to another run: {_few(found)}; to resume it anyway {anyway}; to start afresh give this "
+        f"run its own directory {elsewhere} (or {never} to start afresh in this one)"
     )
 
 
-def check_launch(root: Path, resume: str, any_run: bool, launched: dict[str, Any]) -> None:
-    """``phalanx launch``'s preflight: under ``checkpoint.resume: auto`` (and not ``resume_any_run``),
-    refuse (PhalanxError) when the latest checkpoint in ``root`` was written by this script (its
-    path) in another run than ``launched`` (see :func:`of_launch`): edited, other arguments, other
-    settings that count. A checkpoint written without phalanx launch is compared by its script only:
-    the Session checks the settings, which it alone knows in full. Another script's checkpoint is
-    the Session's to refuse too: the launcher cannot tell whether that script resumes at all (an
-    evaluation script, a data-preparation step run in the same directory)."""
-    if resume != "auto" or any_run:
+def check_launch(root: Path, config: Config, launched: dict[str, Any]) -> None:
+    """``phalanx launch``'s preflight, under ``checkpoint.resume: auto`` (and not ``resume_any_run``):
+    refuse (PhalanxError) what the workers would refuse for certain, and leave the rest to them. It is
+    certain when the latest checkpoint in ``root`` was written under phalanx launch by the same script
+    (path and content) with the same arguments (``launched``, see :func:`of_launch`): that script
+    chose ``root`` then and does again, and a counted setting differs that it does not choose itself
+    (given on the command line, which wins over code, or one it left to the launcher's config). A
+    changed script or argument may choose another directory or resume mode in code: the Session's."""
+    if config.checkpoint.resume != "auto" or config.checkpoint.resume_any_run:
         return
     where = files.latest(root)
     if where is None:
         return
     manifest = files.read_manifest(where)
-    run = manifest.get("run")
-    if run is None:
-        return  # written before checkpoints recorded their run: the Session says so as it resumes
-    saved = run.get("launch") or {"script": run.get("script")}
-    old, new = saved.get("script"), launched.get("script")
-    if old and new and old["path"] != new["path"]:
+    run = manifest.get("run") or {}
+    chosen = run.get("script_set")
+    old, new = run.get("script"), launched.get("script")
+    if run.get("launch") is None or not (old and new) or not _names(chosen):
+        return  # not launched, or recorded before script_set: the Session checks it
+    # Every argument, ignored ones too: a --resume PATH may be what the script resumes from.
+    same_args = script_args.parse(old["args"]) == script_args.parse(new["args"])
+    if (old["path"], old["sha256"]) != (new["path"], new["sha256"]) or not same_args:
         return
-    found = differences(saved, launched)
+    on_command_line = {key for key, source in config.sources.items() if source == "--set"}
+    unknown = set(chosen) - on_command_line
+    if unknown & {"checkpoint.dir", "checkpoint.resume", "checkpoint.resume_any_run"}:
+        return
+    known = {key: value for key, value in launched["settings"].items() if key not in unknown}
+    found = differences({"settings": run.get("settings") or {}}, {"settings": known})
     if found:
         raise PhalanxError(refusal(where, manifest, found, command_line=True))
+
+
+def set_by_script(config: Config, context: LaunchContext | None) -> list[str]:
+    """The settings the script chose itself, which its launcher could not see: every one but a
+    default, the launcher's config file and its --set lines (a preset, a file of the script's own,
+    code, Config.load(overrides=...) in code)."""
+    if context is None:
+        return sorted(config.flat())
+    launcher_file = f"file {context.config_file or DEFAULT_FILE}"
+    launcher_set = {line.partition("=")[0].strip() for line in context.overrides}
+    return sorted(
+        key
+        for key in config.flat()
+        if not (
+            (source := config.sources.get(key, "default")) in ("default", launcher_file)
+            or (source == "--set" and key in launcher_set)
+        )
+    )
 
 
 class RunIdentity:
     """The Session's run: ``record`` is what its checkpoints hold under ``"run"``;
     :meth:`check_resume` stops a resume of another run's checkpoint."""
 
-    def __init__(self, record: dict[str, Any], any_run: bool = False):
-        self.record, self.any_run = record, any_run
+    def __init__(
+        self, record: dict[str, Any], any_run: bool = False, ignored_args: Sequence[str] = (), default_dir: bool = False
+    ):
+        self.record, self.any_run, self.ignored_args = record, any_run, tuple(ignored_args)
+        self.default_dir = default_dir  # checkpoint.dir is the default, which every script here shares
         self._checked: set[str] = set()  # every rank checks the same paths in the same order
 
     @classmethod
@@ -178,7 +222,14 @@ class RunIdentity:
         argv = sys.argv
         script = launch.get("script") if launch else script_identity(argv[0] if argv else None, argv[1:])
         record = {"settings": counted_settings(config, strategy_keys), "script": script, "launch": launch}
-        return cls(record, config.checkpoint.resume_any_run)
+        if launch:
+            record["script_set"] = set_by_script(config, context)
+        return cls(
+            record,
+            config.checkpoint.resume_any_run,
+            config.checkpoint.ignore_args,
+            config.sources.get("checkpoint.dir", "default") == "default",
+        )
 
     def check_resume(
         self,
@@ -195,7 +246,7 @@ class RunIdentity:
         answer: tuple[str | None, str | None] = (None, None)
         if topology.is_main:
             try:
-                answer = verdict(where, self.record, run_dir, self.any_run, job)
+                answer = self.verdict(where, run_dir, job)
             except PhalanxError as err:  # a damaged manifest: the same line everywhere
                 answer = (str(err), None)
         if topology.world_size > 1 and dist.is_initialized():
@@ -209,30 +260,43 @@ class RunIdentity:
         if note is not None:
             say(note)
 
+    def verdict(self, where: Path, run_dir: str | None, job: str | None = None) -> tuple[str | None, str | None]:
+        """(refusal, note) for the Session's resume of ``where``: a refusal when it belongs to another run
+        (unless ``any_run``), a note when that could not be checked or ``any_run`` let it through."""
+        manifest = files.read_manifest(where)
+        if (run_dir is not None and manifest.get("run_dir") == run_dir) or (
+            job is not None and manifest.get("job") == job
+        ):
+            return None, None  # this launch wrote it (an elastic job: on any of its nodes): a restart resumes it
+        run = manifest.get("run")
+        if run is None:
+            return None, (
+                f"phalanx: checkpoint '{where}' was written by phalanx {manifest['phalanx']}, before checkpoints "
+                "recorded their run: resuming it without checking that this run's settings and script are its own"
+            )
+        found = differences(run, self.record, self.ignored_args)
+        if not found:
+            return None, None
+        if self.any_run:
+            return None, one_line(
+                f"phalanx: checkpoint.resume_any_run: resuming '{where}' although it belongs to another run: "
+                f"{_few(found)}"
+            )
+        old, new = run.get("script"), self.record.get("script")
+        another_script = bool(old and new) and Path(old.get("path") or "").name != Path(new["path"]).name
+        # Under phalanx launch the way on is a --set away; under plain torchrun it is a setting.
+        line = refusal(
+            where,
+            manifest,
+            found,
+            command_line=self.record.get("launch") is not None,
+            shared_default=self.default_dir and another_script and old["sha256"] != new["sha256"],
+        )
+        return line, None
 
-def verdict(
-    where: Path, now: dict[str, Any], run_dir: str | None, any_run: bool, job: str | None = None
-) -> tuple[str | None, str | None]:
-    """(refusal, note) for the Session's resume of ``where``: a refusal when it belongs to another run
-    (unless ``any_run``), a note when that could not be checked or ``any_run`` let it through."""
-    manifest = files.read_manifest(where)
-    if (run_dir is not None and manifest.get("run_dir") == run_dir) or (job is not None and manifest.get("job") == job):
-        return None, None  # this launch wrote it (an elastic job: on any of its nodes): a restart resumes it
-    run = manifest.get("run")
-    if run is None:
-        return None, (
-            f"phalanx: checkpoint '{where}' was written by phalanx {manifest['phalanx']}, before checkpoints "
-            "recorded their run: resuming it without checking that this run's settings and script are its own"
-        )
-    found = differences(run, now)
-    if not found:
-        return None, None
-    if any_run:
-        return None, one_line(
-            f"phalanx: checkpoint.resume_any_run: resuming '{where}' although it belongs to another run: {_few(found)}"
-        )
-    # Under phalanx launch the way on is a --set away; under plain torchrun it is a setting.
-    return refusal(where, manifest, found, command_line=now.get("launch") is not None), None
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
 def _few(found: list[str]) -> str:
@@ -241,8 +305,3 @@ def _few(found: list[str]) -> str:
 
 def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def _args(args: list[str]) -> str:
-    text = shlex.join(args) if args else "(none)"
-    return text if len(text) <= 60 else f"{text[:57]}..."

@@ -402,6 +402,22 @@ class CheckpointConfig(Section):
             "that count, another script or its arguments); false: such a checkpoint stops the launch"
         ),
     )
+    ignore_args: list[str] = Field(
+        default_factory=list,
+        description=(
+            "script options (e.g. ['--eval-every', '-v']) that, like --epochs, --print-freq or --resume, only "
+            "lengthen or observe training: resume: auto ignores them and their values when it compares the "
+            "script's arguments with a checkpoint's (added to the built-in list in docs/checkpoints.md)"
+        ),
+    )
+
+    @field_validator("ignore_args")
+    @classmethod
+    def _options(cls, value):
+        for name in value:
+            if not name.startswith("-") or "=" in name or name.strip("-") == "":
+                raise ValueError(f"ignore_args holds option names like '--eval-every' or '-v', not '{name}'")
+        return value
 
     @field_validator("save_every")
     @classmethod

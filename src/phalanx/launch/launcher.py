@@ -197,7 +197,7 @@ def launch(request: LaunchRequest) -> int:
     with checkpoint_lock(plan):  # before the run directory: a refused job leaves nothing behind
         # Under the lock: a job still running in the directory is named as such, and no save moves
         # 'latest' while the check reads it.
-        check_checkpoint_owner(plan.config.checkpoint, plan.context.run)
+        check_checkpoint_owner(plan.config, plan.context.run)
         plan = _make_run_dir(plan)
         write_resolved(plan.config, plan.run_dir / "config.yaml")  # the Session rewrites it with code settings
         if not plan.rendezvous.elastic:  # an elastic job says it once the nodes have joined

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from phalanx.checkpoint import run_identity
-from phalanx.config.sections import CheckpointConfig
+from phalanx.config.schema import Config
 from phalanx.config.sources import one_line
 from phalanx.errors import PhalanxError
 
@@ -105,13 +105,13 @@ def check_output_dirs(run_dir: str, checkpoint_dir: str) -> Path:
     return check_writable("launch.run_dir", run_dir, "pass --run-dir DIR naming a directory you can write")
 
 
-def check_checkpoint_owner(checkpoint: CheckpointConfig, run: dict) -> None:
-    """Under ``checkpoint.resume: auto`` (without ``resume_any_run``), the latest checkpoint in
-    ``checkpoint.dir`` (relative to the working directory the workers share) was written by this
-    run: the same counted settings, the same script and arguments (``run``, see
-    checkpoint/run_identity.py); else one line and exit 2."""
+def check_checkpoint_owner(config: Config, run: dict) -> None:
+    """Under ``checkpoint.resume: auto`` (without ``resume_any_run``), a latest checkpoint in
+    ``checkpoint.dir`` (relative to the working directory the workers share) that the workers would
+    refuse for certain as another run's (``run``, see checkpoint/run_identity.py): one line and exit
+    2. What depends on the script's own settings is left to the workers."""
     try:
-        run_identity.check_launch(Path(checkpoint.dir), checkpoint.resume, checkpoint.resume_any_run, run)
+        run_identity.check_launch(Path(config.checkpoint.dir), config, run)
     except PhalanxError as err:
         raise _refused(str(err)) from None
 
