@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.strategies.tp_heads import head_counts
 
 
 def automatic(
@@ -38,8 +39,9 @@ def automatic(
     if not styles:
         mixed = f" ('{mixing[0]}' mixes its hidden units between them)" if mixing else ""
         raise ConfigError(
-            f"strategy tp found nothing in {type(model).__name__} it can split by itself (the MLP blocks' pairs of "
-            f"nn.Linear layers, up then down, with an elementwise step between){mixed}; name the modules to split in "
+            f"tensor parallelism found nothing in {type(model).__name__} it can split by itself (the MLP blocks' "
+            f"pairs of nn.Linear layers, up then down, with an elementwise step between){mixed}; name the modules to "
+            "split in "
             "strategy.tp.plan, e.g. {'layers.*.mlp.up': colwise, 'layers.*.mlp.down': rowwise}"
         )
     return styles, tuple(whole), tuple(mixing)
@@ -96,25 +98,29 @@ def _nudge(unit: int):
 
 def _mlp_pair(module: nn.Module) -> tuple[list[str], str] | None:
     """``module``'s children as an MLP block: one or two Linear d->h (up, gate) and one Linear
-    h->d (down), h != d, and no other child with parameters of its own."""
+    h->d (down), h != d, and no other child with parameters of its own. Of two, the later is down
+    (either fits by shape); of three, the one the shapes single out, wherever it stands: Meta's
+    Llama defines w1 (gate), w2 (down), then w3 (up)."""
     children = list(module.named_children())
     linears = [(n, c) for n, c in children if type(c) is nn.Linear]
     others = [c for _, c in children if type(c) is not nn.Linear and any(True for _ in c.parameters())]
     if others or not 2 <= len(linears) <= 3:
         return None
-    *ups, (down_name, down) = linears
-    dim, hidden = down.out_features, down.in_features
-    if hidden == dim or not all(u.in_features == dim and u.out_features == hidden for _, u in ups):
-        return None
-    return [n for n, _ in ups], down_name
+    for down_name, down in reversed(linears):
+        dim, hidden = down.out_features, down.in_features
+        ups = [(n, u) for n, u in linears if u is not down]
+        if hidden != dim and all(u.in_features == dim and u.out_features == hidden for _, u in ups):
+            return [n for n, _ in ups], down_name
+    return None
 
 
 def _attention_like(module: nn.Module) -> bool:
+    """nn.MultiheadAttention, or a module of nn.Linear layers that holds a head count (n_heads,
+    num_heads, n_local_heads, ...: tp_heads.HEAD_COUNT) or is named for attention."""
     if isinstance(module, nn.MultiheadAttention):
         return True
-    return any(hasattr(module, attr) for attr in ("num_heads", "n_head", "num_attention_heads")) and any(
-        isinstance(c, nn.Linear) for c in module.children()
-    )
+    named = any(word in type(module).__name__.lower() for word in ("attention", "attn"))
+    return (named or bool(head_counts(module))) and any(isinstance(c, nn.Linear) for c in module.children())
 
 
 def _join(parent: str, child: str) -> str:

@@ -20,6 +20,8 @@ from typing import Any, Mapping
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.strategies import tp_heads
+from phalanx.strategies.sequence_norms import is_norm
 from phalanx.strategies.tp_auto import automatic
 from phalanx.util.modules import parameter_holders
 
@@ -35,8 +37,6 @@ _SPLIT_SIZES = {
     (nn.Embedding, "colwise"): ("embedding_dim", "embedding width"),
     (nn.Embedding, "rowwise"): ("num_embeddings", "vocabulary rows"),
 }
-# Norm layers sequence parallel can hold (it shards their input along the sequence).
-_NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def resolve(model: nn.Module, tp: int, configured: Mapping[str, str], given: Map
             plan = TPPlan(styles, "automatic: MLP blocks", whole, mixing)
     for name, style in plan.styles.items():
         _check(name, modules[name], style, tp, plan.source)
-    _check_heads(model, plan, tp)
+    tp_heads.check(model, plan.split(), tp, plan.source)
     _check_ties(model, plan)
     return plan
 
@@ -150,23 +150,11 @@ def _check(name: str, module: nn.Module, style: Any, tp: int, source: str) -> No
                 f"{where} has {size} {what}, which {tp} tensor-parallel peers would split unevenly; "
                 f"set strategy.tp.size to a divisor of {size}, or leave the module out of the plan"
             )
-    elif style == "sequence_parallel" and not isinstance(module, _NORMS):
-        raise ConfigError(f"{where} cannot take sequence_parallel: only norm layers (LayerNorm, RMSNorm) can")
-
-
-def _check_heads(model: nn.Module, plan: TPPlan, tp: int) -> None:
-    """A Hugging Face attention split colwise holds a fraction of the heads: they must divide."""
-    config = getattr(model, "config", None)
-    # Hugging Face names attention "self_attn", "attn" or "attention" (BERT, GPT-NeoX).
-    if not any(word in name for name in plan.split() for word in ("attn", "attention")):
-        return
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, attr, None)
-        if isinstance(heads, int) and heads % tp:
-            raise ConfigError(
-                f"the model has {heads} {attr.replace('_', ' ')}, which {tp} tensor-parallel peers would split "
-                f"unevenly; set strategy.tp.size to a divisor of {heads}"
-            )
+    elif style == "sequence_parallel" and not is_norm(module):
+        raise ConfigError(
+            f"{where} cannot take sequence_parallel: only a norm over the last dimension can (nn.LayerNorm, "
+            "nn.RMSNorm, or a class whose name ends in Norm with 1-d parameters only, such as a model's own RMSNorm)"
+        )
 
 
 def kept_whole_line(model: nn.Module, plan: TPPlan) -> str | None:
@@ -189,7 +177,8 @@ def kept_whole_line(model: nn.Module, plan: TPPlan) -> str | None:
     )
     return (
         f"{head}: a module that reshapes into the head count it holds cannot run on a fraction of the heads; "
-        f"if its forward reshapes with -1 heads, split it with strategy.tp.plan {{{lines}}}"
+        f"if its forward reshapes with the local count (n_heads // tp_size, or -1), split it with strategy.tp.plan "
+        f"{{{lines}}}"
     )
 
 
@@ -212,6 +201,7 @@ def split(
             if line:
                 print(line, flush=True)
     apply(model, mesh, plan)
+    tp_heads.guard_forwards(model, plan.split(), mesh.size(), plan.source)
     return plan
 
 
@@ -223,13 +213,19 @@ def unpaired_lines(model: nn.Module, plan: TPPlan, tp: int) -> list[str]:
     if plan.source.endswith(_OWN):
         return []
     modules = dict(model.named_modules())
-    taken = {modules[n].in_features for n, s in plan.styles.items() if s == "rowwise" and type(modules[n]) is nn.Linear}
+    rowwise = [n for n, s in plan.styles.items() if s == "rowwise" and type(modules[n]) is nn.Linear]
+    taken = {modules[n].in_features for n in rowwise}
+    # An attention's key and value projections feed the attention, whose output its own rowwise layer takes.
+    parents = {n.rpartition(".")[0] for n in rowwise}
     return [
         f"phalanx: tp splits '{name}' colwise, and no rowwise layer of the plan takes its {modules[name].out_features} "
         f"features: its output stays 1/{tp} of them on each peer; if the model reads it whole, give that module "
         "ColwiseParallel(output_layouts=Replicate()) with session.set_tp_plan(), or leave it out of the plan"
         for name, style in plan.styles.items()
-        if style == "colwise" and type(modules[name]) is nn.Linear and modules[name].out_features not in taken
+        if style == "colwise"
+        and type(modules[name]) is nn.Linear
+        and modules[name].out_features not in taken
+        and name.rpartition(".")[0] not in parents
     ]
 
 
