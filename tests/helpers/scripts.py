@@ -29,3 +29,32 @@ def tiny_training(samples: int, *, before_step: str = "pass", **session_kwargs) 
         session.close()
         """
     )
+
+
+def sigterm_drill(script: str) -> str:
+    """A script that runs ``script`` unchanged (its folder first on sys.path, as ``python script``
+    puts it), each optimizer step paced by $STEP_PAUSE seconds and, at step $SIGTERM_AT, rank 0
+    signalling the launcher (its parent) as a scheduler would. The pace matters: phalanx agrees on
+    a stop about once a second of steps, and small examples take milliseconds a step."""
+    return textwrap.dedent(
+        f"""
+        import os, runpy, signal, sys, time
+        import phalanx
+
+        at, pause = int(os.environ.get("SIGTERM_AT", "0")), float(os.environ.get("STEP_PAUSE", "0"))
+        step = phalanx.Session.step
+
+
+        def paced_step(self):
+            step(self)
+            time.sleep(pause)
+            if self.is_main and self.step_count == at:
+                os.kill(os.getppid(), signal.SIGTERM)
+
+
+        phalanx.Session.step = paced_step
+        sys.argv[0] = {script!r}
+        sys.path.insert(0, os.path.dirname(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        """
+    )

@@ -7,13 +7,13 @@ that was never stopped, bit for bit, and it changes fewer lines than Lightning F
 from __future__ import annotations
 
 import importlib.util
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.cli import EXAMPLES, REPO, run_phalanx
+from tests.helpers.scripts import sigterm_drill
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,30 +25,7 @@ ARGS = ["--dummy", "--fake-sizes", "48", "21", "--epochs", "2", "-b", "8", "-j",
 LAST = "checkpoints/step-00000012/model.pt"
 FABRIC_CHANGED_LINES = 140  # the issue's count for the Lightning Fabric port of the same script
 
-# The port unchanged, each optimizer step paced and, at step SIGTERM_AT (in the second epoch), rank 0
-# signalling the launcher as a scheduler would (as in test_nanogpt_style_example.py).
-DRILL = textwrap.dedent(
-    f"""
-    import os, runpy, signal, sys, time
-    import phalanx
-
-    at, pause = int(os.environ.get("SIGTERM_AT", "0")), float(os.environ.get("STEP_PAUSE", "0"))
-    step = phalanx.Session.step
-
-
-    def paced_step(self):
-        step(self)
-        time.sleep(pause)
-        if self.is_main and self.step_count == at:
-            os.kill(os.getppid(), signal.SIGTERM)
-
-
-    phalanx.Session.step = paced_step
-    sys.path.insert(0, {str(FOLDER)!r})
-    sys.argv[0] = {str(PORT)!r}
-    runpy.run_path(sys.argv[0], run_name="__main__")
-    """
-)
+DRILL = sigterm_drill(str(PORT))  # the script unchanged, SIGTERM at $SIGTERM_AT
 
 
 def _launch(cwd: Path, nproc: int, script: Path = PORT, env: dict | None = None):

@@ -6,13 +6,13 @@ was never stopped, bit for bit, with and without accumulation."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.cli import EXAMPLES, run_phalanx
+from tests.helpers.scripts import sigterm_drill
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,30 +20,7 @@ EXAMPLE = EXAMPLES / "nanogpt_style.py"
 MAX_ITERS = 16
 ARGS = ["--max-iters", str(MAX_ITERS), "--eval-interval", "5", "--save-interval", "8", "--batch-size", "4"]
 
-# Runs the example unchanged, with every optimizer step paced and, at step SIGTERM_AT, rank 0
-# signalling the launcher (its parent) as a scheduler would. The pace matters: phalanx agrees on a
-# stop about once a second of steps, and the example's own steps take milliseconds.
-DRILL = textwrap.dedent(
-    f"""
-    import os, runpy, signal, sys, time
-    import phalanx
-
-    at, pause = int(os.environ.get("SIGTERM_AT", "0")), float(os.environ.get("STEP_PAUSE", "0"))
-    step = phalanx.Session.step
-
-
-    def paced_step(self):
-        step(self)
-        time.sleep(pause)
-        if self.is_main and self.step_count == at:
-            os.kill(os.getppid(), signal.SIGTERM)
-
-
-    phalanx.Session.step = paced_step
-    sys.argv[0] = {str(EXAMPLE)!r}
-    runpy.run_path(sys.argv[0], run_name="__main__")
-    """
-)
+DRILL = sigterm_drill(str(EXAMPLE))  # the script unchanged, SIGTERM at $SIGTERM_AT
 
 
 def _launch(cwd: Path, script: Path, out: str, nproc: int, *args: str, env: dict | None = None):
