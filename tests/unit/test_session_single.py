@@ -194,3 +194,25 @@ def test_unfinished_window_of_an_iterable_loader_is_dropped_at_epoch_end(capsys)
     assert all(p.grad is None for p in model.parameters())
     assert capsys.readouterr().out.count("dropping 1 micro-step(s)") == 2
     session.close()
+
+
+@pytest.mark.parametrize("reduce, warned", [("sum", True), ("mean", False), ("sum of means", False)])
+def test_a_sum_loss_under_accumulation_is_said_once(capsys, reduce, warned):
+    session = _session(batch={"global_batch_size": 8, "micro_batch_size": 4})
+    model = make_model()
+    model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = make_data(4).tensors
+    for _ in range(4):
+        with session.accumulate(model):
+            error = (model(x) - y) ** 2
+            loss = {
+                "sum": error.sum(),
+                "mean": error.mean(),
+                "sum of means": error.mean() + error.mean(),
+            }[reduce]
+            session.backward(loss)
+    session.close()
+    out = capsys.readouterr().out
+    assert out.count("the loss is a sum") == (1 if warned else 0)
+    if warned:
+        assert "1/2 of the gradient" in out

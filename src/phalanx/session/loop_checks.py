@@ -8,12 +8,16 @@
   loader's pass (which goes on from the checkpoint's position). A loop that does none of these
   counts its own steps from 0 again, trains the steps done before the stop a second time and
   schedules its own LR from the wrong step: one warning at its first step.
+- The loss is a mean, as phalanx's averaging over micro-steps and processes assumes: a loss whose
+  last operation is a sum over the batch (``output.sum()``) trains with 1/(processes x micro-steps)
+  of the gradient one process computes on the whole global batch. One line at the first backward.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
 
 from phalanx.errors import PhalanxError
@@ -26,6 +30,7 @@ class LoopChecks:
         self.print_main = print_main
         self.counted = limited  # train.max_steps ends the loop at phalanx's count
         self.backwards = 0  # session.backward() calls in the current window
+        self.loss_checked = False
 
     def follows_count(self) -> None:
         self.counted = True
@@ -57,4 +62,16 @@ class LoopChecks:
                 "phalanx's count (session.step_count, session.keep(), train.max_steps or session.epochs()); a loop "
                 "that counts its own steps starts again from 0: start it from session.step_count, or keep it with "
                 "progress = session.keep(iter_num=0)"
+            )
+
+    def check_loss(self, loss: torch.Tensor, shares: int) -> None:
+        """The first backward's loss, averaged over ``shares`` (processes x micro-steps)."""
+        self.loss_checked = True
+        grad_fn = getattr(loss, "grad_fn", None)
+        if shares > 1 and grad_fn is not None and grad_fn.name() == "SumBackward0":
+            self.print_main(
+                f"phalanx: warning: the loss is a sum (its last operation is .sum()), but phalanx averages gradients "
+                f"over {shares} shares of the global batch (processes x micro-steps) as for a mean, so this run steps "
+                f"with 1/{shares} of the gradient one process computes on the whole batch; use a mean (loss.mean(), "
+                "reduction='mean'), or scale the loss yourself if the sum is meant (a sum of mean losses is fine)"
             )

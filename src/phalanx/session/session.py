@@ -598,6 +598,8 @@ class Session:
         self._roles.check_backward()
         self._items.begin(weighted)
         self._loop.backward_called()
+        if not self._loop.loss_checked:
+            self._loop.check_loss(loss, steps * self.strategy.data_parallel_size)
         if self.sync_gradients:  # where a fast rank waits for the others (see metrics/straggler.py)
             self.metrics.sync_started()
         first = self.state.micro == joined
