@@ -301,6 +301,16 @@ def make_subclass(cls: type, data: torch.Tensor) -> torch.Tensor:
     return make(cls, data)
 
 
+# -- BatchNorm layers (strategies/sync_batchnorm.py) ---------------------------------------------
+# Every BatchNorm layer (BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones, a model's own subclasses)
+# derives from torch.nn.modules.batchnorm._BatchNorm, which holds their parameters, buffers and
+# reset_parameters() and has no public name. Checked on torch 2.13. Fallback: the base class
+# BatchNorm1d and SyncBatchNorm share (the same class, reached through public ones).
+BATCH_NORM_BASE: type = getattr(nn.modules.batchnorm, "_BatchNorm", None) or next(
+    c for c in nn.BatchNorm1d.__mro__[1:] if c in nn.SyncBatchNorm.__mro__
+)
+
+
 # -- deferred construction (session.init_module) ----------------------------------------------
 # torch modules that initialise their own parameters in a private method instead of a public
 # reset_parameters(). Checked on torch 2.13; a name that is gone leaves the module without an

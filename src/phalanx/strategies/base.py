@@ -27,6 +27,7 @@ from phalanx.strategies.collective_timeout import collective_timeout
 from phalanx.strategies.construction import Materializer, is_deferred
 from phalanx.strategies.parallel_layout import AXES, DATA_AXES, TENSOR, ParallelLayout
 from phalanx.strategies.plan_rows import PlanRow
+from phalanx.strategies.sync_batchnorm import BatchNorms
 from phalanx.topology import Topology
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # precision.mode values, in the order messages list them
@@ -171,6 +172,10 @@ class Strategy:
         self._materializers: list[Materializer] = []  # one per deferred model (see construction.py)
         # Modules built under init_module(initialize=False): materialised, never initialised.
         self.skip_init: weakref.WeakSet = weakref.WeakSet()
+        # SyncBatchNorm layers made to work on this device over the data group, before each wrap.
+        self.batch_norms = BatchNorms(
+            topology.device, self.layout.dp_size, lambda: self.data_group, topology.comm_device
+        )
 
     @property
     def splits_by_tp_plan(self) -> bool:
@@ -399,6 +404,7 @@ class Strategy:
         """Leave the process group. ``sync``: first wait for every rank, so no rank tears its
         connections down while another still uses them (only on a clean exit: after an error the
         other ranks may never arrive)."""
+        self.batch_norms.close()
         if self._owns_process_group and dist.is_initialized():
             if sync:
                 # Alone too: the barrier waits for the group's queued work (a DDP bucket's last
