@@ -87,7 +87,8 @@ def test_an_adaptive_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path
     assert "restart 1 after a failure" in killed.output
     assert f"resumed from {run_dir / 'checkpoints' / 'step-00000008'}" in killed.output
     ref, got = torch.load(ref_dir / "out.pt"), torch.load(run_dir / "out.pt")
-    assert ref["history"] and ref["k"] > 1, ref["history"]  # the batch did grow
+    # The batch did grow (the loss's check may take it back before the end: the history is what must match).
+    assert max(k for _, k in ref["history"]) > 1, ref["history"]
     assert got["history"] == ref["history"] and got["k"] == ref["k"]
     for key, value in ref["weights"].items():
         assert torch.equal(value, got["weights"][key]), key

@@ -26,9 +26,10 @@ def _check(results: dict, world: int, accumulation: int, rank: int = 0) -> None:
     ordered = results["lm_ordered_loader"]
     assert ordered["steps"] == CHUNKS
     assert rel_diff(ordered["state"], lm) < 1e-5
-    # Micro-step slot m of rank r sees the same contiguous columns at every step (docs/data.md).
+    # Micro-step slot m of rank r sees the same columns at every step: its share of micro-step m's
+    # block of world*mb columns (docs/data.md).
     for m, steps in ordered["columns"].items():
-        start = (rank * accumulation + m) * mb
+        start = (m * world + rank) * mb
         assert steps == [list(range(start, start + mb))] * CHUNKS
 
     it = results["iterable"]

@@ -1,5 +1,5 @@
-"""The layout of ordered data (docs/data.md): which samples of a global batch each rank and
-micro-step gets from an ordered training loader, an iterable dataset and ``session.shard``; and the
+"""The layout of a global batch (docs/data.md): which samples of it each rank and micro-step gets
+from a training loader (ordered or shuffled), an iterable dataset and ``session.shard``; and the
 layout lock, which refuses config values, bench weak scaling and tune changes of the batch."""
 
 from __future__ import annotations
@@ -43,14 +43,17 @@ def _micro_batches(loader: DataLoader, rank: int, world: int, micro: int, accumu
 
 
 def _contract(step: int, rank: int, m: int, world: int, micro: int, accumulation: int) -> list[int]:
+    """Global batch ``step``, micro-step ``m``: its block of world*micro positions, rank's share of it."""
     g = micro * accumulation * world
-    start = step * g + (rank * accumulation + m) * micro
+    start = step * g + (m * world + rank) * micro
     return list(range(start, start + micro))
 
 
 # -- ordered training loaders --------------------------------------------------------------------------
 @pytest.mark.parametrize("world, micro, accumulation", [(1, 8, 1), (1, 4, 2), (2, 4, 1), (2, 2, 2), (4, 1, 2)])
-def test_an_ordered_training_loader_gives_each_rank_and_micro_step_a_contiguous_slice(world, micro, accumulation):
+def test_an_ordered_training_loader_gives_each_rank_and_micro_step_its_share_of_the_micro_step_block(
+    world, micro, accumulation
+):
     data = TensorDataset(torch.arange(32))
     for rank in range(world):
         got = _micro_batches(DataLoader(data, batch_size=8), rank, world, micro, accumulation)
@@ -61,16 +64,17 @@ def test_an_ordered_training_loader_gives_each_rank_and_micro_step_a_contiguous_
 
 def test_an_ordered_order_is_padded_and_resumed_by_whole_global_batches():
     # 20 samples, global batch 8 over 2 ranks: the third global batch is 16..19 then 0..3.
-    ranks = [list(ShardedSampler(20, r, 2, shuffle=False, seed=0, multiple_of=8, contiguous=True)) for r in range(2)]
+    ranks = [list(ShardedSampler(20, r, 2, shuffle=False, seed=0, multiple_of=8, chunk=4)) for r in range(2)]
     assert ranks == [[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19], [4, 5, 6, 7, 12, 13, 14, 15, 0, 1, 2, 3]]
-    resumed = ShardedSampler(20, 1, 2, shuffle=False, seed=0, multiple_of=8, contiguous=True)
+    resumed = ShardedSampler(20, 1, 2, shuffle=False, seed=0, multiple_of=8, chunk=4)
     resumed.start = 8  # one global batch done
     assert len(resumed) == 8 and list(resumed) == ranks[1][4:]
 
 
-def test_shuffled_training_and_evaluation_keep_dealing_positions_out_one_by_one():
-    shuffled = ShardedSampler(24, 1, 2, shuffle=True, seed=3, multiple_of=8)
-    assert list(shuffled) == shuffled.global_order()[1::2].tolist()
+def test_shuffled_training_deals_micro_batches_and_evaluation_positions_one_by_one():
+    # Micro batch 2 of global batch 8 over 2 ranks: rank 1 takes positions 2-3, 6-7, 10-11, ...
+    shuffled = ShardedSampler(24, 1, 2, shuffle=True, seed=3, multiple_of=8, chunk=2)
+    assert list(shuffled) == shuffled.global_order().view(-1, 2, 2)[:, 1].flatten().tolist()
     data = TensorDataset(torch.arange(10))
     evaluation = shard_loader(
         DataLoader(data, batch_size=2),
@@ -113,7 +117,7 @@ def test_a_stream_share_drops_a_short_last_global_batch_and_knows_its_length(dro
     said: list[str] = []
     share.say = said.append
     got = list(share.micro_batches(torch.arange(i, min(i + 5, 19)) for i in range(0, 19, 5)))
-    assert [b.tolist() for b in got] == [[0, 1], [2, 3], [8, 9], [10, 11]] and share.length(19) == 4
+    assert [b.tolist() for b in got] == [[0, 1], [4, 5], [8, 9], [12, 13]] and share.length(19) == 4
     message = (
         "phalanx: dropping 2 micro-step(s) that did not complete a global batch at the end of the epoch "
         "(the last 3 samples of the stream)"
@@ -141,7 +145,8 @@ def test_shard_takes_each_rank_s_share_of_every_global_batch():
     plan = plan_batch(2, 8, 2)  # 2 accumulation steps
     x = torch.arange(32)
     mine = shard_tensors([x, x * 10], dim=0, rank=1, world_size=2, plan=plan, micro_steps=False)
-    assert mine[0].tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]
+    # Micro-step 0 of each global batch of 8 is its first 4 positions, rank 1 taking 2, 3; micro-step 1: 6, 7.
+    assert mine[0].tolist() == [2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31]
     assert torch.equal(mine[1], mine[0] * 10)
     # Without a plan the whole tensor is one block.
     assert shard_tensors([x], dim=0, rank=0, world_size=4, plan=None, micro_steps=False).tolist() == list(range(8))
@@ -151,9 +156,9 @@ def test_shard_of_a_stream_gives_one_piece_per_micro_step():
     plan = plan_batch(2, 8, 2)
     columns = torch.arange(24).view(3, 8)  # [time, global batch]
     pieces = shard_tensors([columns], dim=1, rank=1, world_size=2, plan=plan, micro_steps=True)
-    assert [p.tolist() for p in pieces] == [[[4, 5], [12, 13], [20, 21]], [[6, 7], [14, 15], [22, 23]]]
+    assert [p.tolist() for p in pieces] == [[[2, 3], [10, 11], [18, 19]], [[6, 7], [14, 15], [22, 23]]]
     pairs = shard_tensors([columns, -columns], dim=-1, rank=0, world_size=2, plan=plan, micro_steps=True)
-    assert len(pairs) == 2 and torch.equal(pairs[1][1], -pairs[1][0]) and pairs[1][0][0].tolist() == [2, 3]
+    assert len(pairs) == 2 and torch.equal(pairs[1][1], -pairs[1][0]) and pairs[1][0][0].tolist() == [4, 5]
 
 
 @pytest.mark.parametrize(

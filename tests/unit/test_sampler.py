@@ -14,7 +14,9 @@ def global_steps(n, world, micro, accumulation, *, shuffle=True, epoch=0, drop_l
     global_bs = micro * accumulation * world
     per_rank = []
     for rank in range(world):
-        s = ShardedSampler(n, rank, world, shuffle=shuffle, seed=3, multiple_of=global_bs, drop_last=drop_last)
+        s = ShardedSampler(
+            n, rank, world, shuffle=shuffle, seed=3, multiple_of=global_bs, drop_last=drop_last, chunk=micro
+        )
         s.set_epoch(epoch)
         per_rank.append(list(s))
     steps = len(per_rank[0]) // (micro * accumulation)

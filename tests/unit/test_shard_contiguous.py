@@ -18,9 +18,11 @@ def test_a_share_along_dim_1_is_contiguous_and_views_flat(world_size, plan):
         mine = shard_tensors([data], dim=1, rank=rank, world_size=world_size, plan=plan, micro_steps=False)
         assert mine.is_contiguous()
         block = 16 if plan is None else plan.global_batch_size
-        share = block // world_size
-        starts = range(rank * share, 16, block)  # this rank's columns of each global batch
-        assert torch.equal(mine.view(-1), torch.cat([data[:, s : s + share] for s in starts], dim=1).reshape(-1))
+        steps = 1 if plan is None else plan.accumulation_steps
+        micro = block // (world_size * steps)
+        # This rank's columns of each global batch, micro-step after micro-step (docs/data.md).
+        starts = [b + (m * world_size + rank) * micro for b in range(0, 16, block) for m in range(steps)]
+        assert torch.equal(mine.view(-1), torch.cat([data[:, s : s + micro] for s in starts], dim=1).reshape(-1))
 
 
 def test_every_micro_step_piece_is_contiguous():

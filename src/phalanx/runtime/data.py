@@ -2,10 +2,12 @@
 
 The global sample order never depends on the number of processes: every rank computes the same
 order, and one optimizer step consumes the next global batch of it whatever W is, which is what
-makes N processes train like one. A shuffled training order and an evaluation order are dealt out
-position by position (rank r takes r, r+W, r+2W, ...); an ordered training order is dealt out in
-contiguous shares of each global batch (runtime/shares.py), so a script that carries state per
-sample slot (truncated BPTT) finds the same slot in the same place at every step.
+makes N processes train like one. A training order, shuffled or not, is dealt out in micro-batches
+(rank r takes the r-th, (r+W)-th, ... run of ``m`` consecutive positions, m its micro batch): the
+layout of runtime/shares.py, in which a micro-step of W processes holds what one process's
+micro-step of W*m holds, and each process's micro-batch is one process's micro-batch of m, so even
+BatchNorm sees the same groups of samples (docs/data.md). An evaluation order is dealt out position
+by position (rank r takes r, r+W, r+2W, ...), which gather_for_metrics undoes.
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ class ShardedSampler(Sampler[int]):
     evaluation, so every rank runs the same number of batches (the padding is dropped again by
     ``Session.gather_for_metrics``).
 
-    ``contiguous``: each block of ``multiple_of`` positions is cut into W contiguous shares, rank r
-    taking the r-th, instead of being dealt out position by position (ordered training loaders).
+    ``chunk``: the order (from ``start``) is dealt out in runs of ``chunk`` consecutive positions,
+    rank r taking runs r, r+W, r+2W, ...: the per-rank micro batch for training (each global batch
+    is then its micro-steps' blocks of W*chunk positions, each block cut into W shares, rank r taking
+    the r-th: runtime/shares.py), 1 for evaluation (position by position). A last part shorter than
+    W runs is cut into W equal contiguous shares (what is left over, fewer than W positions, is
+    dropped: only a resume off a step boundary leaves one).
     """
 
     def __init__(
@@ -57,7 +63,7 @@ class ShardedSampler(Sampler[int]):
         seed: int,
         multiple_of: int,
         drop_last: bool = False,
-        contiguous: bool = False,
+        chunk: int = 1,
     ):
         if dataset_len == 0:
             raise PhalanxError("the dataset is empty; nothing to train or evaluate on")
@@ -68,7 +74,7 @@ class ShardedSampler(Sampler[int]):
         self.seed = seed
         self.multiple_of = multiple_of
         self.drop_last = drop_last
-        self.contiguous = contiguous
+        self.chunk = chunk
         self.epoch = 0
         # Global position where the next pass starts (a resumed epoch); one pass uses it up.
         self.start = 0
@@ -103,18 +109,20 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         start, self.start = self.start, 0
-        if not self.contiguous:
-            return iter(self.global_order()[start + self.rank :: self.world_size].tolist())
-        rest = self.global_order()[start:]
-        whole = len(rest) // self.multiple_of * self.multiple_of  # all of it, unless resumed off a step boundary
-        share = self.multiple_of // self.world_size
-        mine = rest[:whole].view(-1, self.multiple_of)[:, self.rank * share : (self.rank + 1) * share].flatten()
-        tail = rest[whole:]
-        part = len(tail) // self.world_size
-        return iter(torch.cat([mine, tail[self.rank * part : (self.rank + 1) * part]]).tolist())
+        return iter(deal(self.global_order()[start:], self.rank, self.world_size, self.chunk).tolist())
 
     def __len__(self) -> int:
         return (self.global_len - self.start) // self.world_size
+
+
+def deal(order: torch.Tensor, rank: int, world_size: int, chunk: int) -> torch.Tensor:
+    """``rank``'s positions of ``order``: runs rank, rank+W, ... of ``chunk`` consecutive ones, then
+    its contiguous share of a last part shorter than W runs (the remainder of W is left out)."""
+    whole = len(order) // (world_size * chunk) * world_size * chunk
+    mine = order[:whole].view(-1, world_size, chunk)[:, rank].flatten()
+    tail = order[whole:]
+    part = len(tail) // world_size
+    return torch.cat([mine, tail[rank * part : (rank + 1) * part]])
 
 
 @dataclass
@@ -365,7 +373,7 @@ def shard_loader(
         seed=seed,
         multiple_of=multiple_of,
         drop_last=drop_last,
-        contiguous=train and not shuffle,  # the documented layout of ordered training (docs/data.md)
+        chunk=batch_size if train else 1,  # training: micro-batches dealt out (docs/data.md)
     )
     if options.num_workers == "auto":
         workers = auto_workers(cpu_count(), procs_per_node)

@@ -1,11 +1,17 @@
-"""Which samples of a global batch each rank and micro-step gets, for data whose order matters.
+"""Which samples of a global batch each rank and micro-step gets.
 
-One rule serves ordered (non-shuffled) training loaders, iterable datasets, streams with a carried
-state and tensors already in memory (docs/data.md#the-layout-of-an-ordered-global-batch): global
-batch ``b`` holds samples ``[b*G, (b+1)*G)`` of the order; rank ``r`` takes the contiguous share
-``[b*G + r*G/N, b*G + (r+1)*G/N)`` of it and runs it as micro-steps ``m = 0 .. A-1`` of ``mb``
-samples each, in order. So sample slot ``(r, m)`` always sees the same columns of a stream, and one
-process with ``A*N`` micro-steps sees exactly the slices that N processes with ``A`` each see.
+One rule serves every training order: shuffled and ordered training loaders (runtime/data.py deals
+them out by it), iterable datasets, streams with a carried state and tensors already in memory
+(docs/data.md#the-layout-of-a-global-batch). Global batch ``b`` holds samples ``[b*G, (b+1)*G)`` of
+the order, ``G = mb*A*N``; micro-step ``m`` (``m = 0 .. A-1``) of the N ranks takes its block
+``[b*G + m*N*mb, b*G + (m+1)*N*mb)``, and rank ``r`` the r-th share of ``mb`` of that block:
+``[b*G + (m*N + r)*mb, b*G + (m*N + r + 1)*mb)``. So
+
+- sample slot ``(r, m)`` always sees the same columns of a stream;
+- one micro-step of N processes holds what one process's micro-step of ``N*mb`` holds (with the
+  same A): synced BatchNorm sees the same samples together;
+- each rank's micro-batch is one process's micro-batch of ``mb`` (with ``A*N`` micro-steps, the
+  ``(m*N + r)``-th): BatchNorm that is not synced sees the same samples too.
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ from phalanx.config.batch import BatchPlan
 from phalanx.errors import PhalanxError
 
 
-def micro_start(rank: int, micro_step: int, accumulation_steps: int, micro_batch_size: int) -> int:
+def micro_start(rank: int, micro_step: int, world_size: int, micro_batch_size: int) -> int:
     """Offset, inside its global batch, of the first sample of ``rank``'s micro-step ``micro_step``."""
-    return (rank * accumulation_steps + micro_step) * micro_batch_size
+    return (micro_step * world_size + rank) * micro_batch_size
 
 
 # -- tensors already in memory -------------------------------------------------------------------------
@@ -36,9 +42,10 @@ def shard_tensors(
     """``session.shard``: this rank's share of each tensor along ``dim`` (see docs/data.md).
 
     Without ``micro_steps``, the tensor is read as consecutive global batches of ``G`` entries and
-    this rank keeps its contiguous share of each (the whole tensor is one block when no batch is
-    planned). With ``micro_steps``, the tensor must be one global batch wide (a stream's columns) and
-    the result is a list with one piece per micro-step, in the order the micro-steps run.
+    this rank keeps its slots of each, micro-step after micro-step (the whole tensor is one block,
+    of which each rank keeps a contiguous share, when no batch is planned). With ``micro_steps``, the
+    tensor must be one global batch wide (a stream's columns) and the result is a list with one
+    piece per micro-step, in the order the micro-steps run.
     """
     if not tensors:
         raise PhalanxError("session.shard() needs at least one tensor: session.shard(x, y, dim=0)")
@@ -79,17 +86,17 @@ def _shard_one(
             f"{what}: dim {dim} of argument {index + 1} has {n} entries, which {world} processes cannot share "
             f"equally; drop {n % world} of them, or plan a batch (batch.global_batch_size)"
         )
-    share = block // world
-    # (..., global batches, samples of one global batch, ...): each rank narrows the second.
-    mine = tensor.unflatten(dim, (n // block, block)).narrow(dim + 1, rank * share, share)
+    micro = block // (world * accumulation)
+    # (..., global batches, micro-steps, ranks, samples of one micro-batch, ...): each rank selects
+    # its index of the third.
+    mine = tensor.unflatten(dim, (n // block, accumulation, world, micro)).select(dim + 2, rank)
     # Contiguous, because scripts reshape what they get (nanoGPT's get_batch calls .view(-1)): a
     # share along dim 1 or later is a strided view from 2 processes on, while at 1 process it is the
     # whole tensor, so a view would break only once the script is scaled out. contiguous() copies
     # only what is not already contiguous.
     if not micro_steps:
-        return mine.flatten(dim, dim + 1).contiguous()
-    micro = share // accumulation
-    return [mine.narrow(dim + 1, m * micro, micro).flatten(dim, dim + 1).contiguous() for m in range(accumulation)]
+        return mine.flatten(dim, dim + 2).contiguous()
+    return [mine.select(dim + 1, m).flatten(dim, dim + 1).contiguous() for m in range(accumulation)]
 
 
 # -- iterable datasets ---------------------------------------------------------------------------------
@@ -106,6 +113,7 @@ class StreamShare:
 
     def __init__(self, rank: int, world_size: int, global_batch_size: int, micro_batch_size: int, *, drop_last: bool):
         self.rank = rank
+        self.world_size = world_size
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.share = global_batch_size // world_size
@@ -141,7 +149,7 @@ class StreamShare:
 
     def _mine(self, block: Any) -> Iterator[Any]:
         for m in range(self.accumulation_steps):
-            start = micro_start(self.rank, m, self.accumulation_steps, self.micro_batch_size)
+            start = micro_start(self.rank, m, self.world_size, self.micro_batch_size)
             yield cut_rows(block, start, start + self.micro_batch_size)
 
 

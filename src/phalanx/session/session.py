@@ -769,9 +769,10 @@ class Session:
         return collectives.gather_in_order(tensor, loader=self._active_loader, **self._collective_args())
 
     def shard(self, *tensors: torch.Tensor, dim: int = 0, micro_steps: bool = False) -> Any:
-        """This rank's share of tensors already in memory: along ``dim``, each global batch's
-        contiguous share (docs/data.md#tensors-already-in-memory). ``micro_steps``: a tensor one global
-        batch wide (a stream's columns) as a list of one piece per micro-step, in the order they run."""
+        """This rank's share of tensors already in memory: along ``dim``, its slots of each global
+        batch, micro-step after micro-step (docs/data.md#tensors-already-in-memory). ``micro_steps``: a
+        tensor one global batch wide (a stream's columns) as a list of one piece per micro-step, in the
+        order they run."""
         s = self.strategy
         return shard_tensors(
             tensors,
