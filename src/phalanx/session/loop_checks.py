@@ -67,7 +67,9 @@ class LoopChecks:
     def check_loss(self, loss: torch.Tensor, shares: int) -> None:
         """The first backward's loss, averaged over ``shares`` (processes x micro-steps)."""
         self.loss_checked = True
-        grad_fn = getattr(loss, "grad_fn", None)
+        if type(loss) is not torch.Tensor:
+            return  # a pipeline's deferred output (no graph yet), a DTensor: not looked into
+        grad_fn = loss.grad_fn
         if shares > 1 and grad_fn is not None and grad_fn.name() == "SumBackward0":
             self.print_main(
                 f"phalanx: warning: the loss is a sum (its last operation is .sum()), but phalanx averages gradients "

@@ -94,12 +94,11 @@ class Schedulers:
         """Make the script's ``scheduler.step()`` count only at a global-batch boundary. The method
         is swapped on a subclass of the scheduler's own class: an instance attribute would land in
         the scheduler's state_dict (its ``__dict__``) and in every checkpoint."""
-        cls = type(scheduler)
-        gate = self
+        cls, mid_window, dropped = type(scheduler), self.mid_window, self._dropped
 
         def step(this: Any, *args: Any, **kwargs: Any) -> None:
-            if gate.mid_window():
-                gate._dropped()
+            if mid_window():
+                dropped()
                 return
             cls.step(this, *args, **kwargs)
 
