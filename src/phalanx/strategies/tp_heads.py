@@ -84,24 +84,26 @@ def whole_count_line(where: str, what: str, tp: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _shaping_counts(cls: type) -> frozenset[str]:
+def _shaping_counts(cls: type) -> tuple[str, ...]:
     """Head-count attribute names ``cls.forward`` puts in a shape; nothing where its source cannot be read."""
     forward = cls.__dict__.get("forward") or next(
         (k.__dict__["forward"] for k in cls.__mro__ if "forward" in k.__dict__), None
     )
     if forward is None or getattr(forward, "__module__", "").startswith("torch."):
-        return frozenset()
+        return ()
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError):
-        return frozenset()
+        return ()
     shapes: list[ast.AST] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and _called(node) in _SHAPING:
             shapes.extend([*node.args, *(k.value for k in node.keywords)])
         elif isinstance(node, (ast.Tuple, ast.List)):
             shapes.append(node)
-    return frozenset(
+    # In the source's order (a set's would follow the string hash, which differs between processes):
+    # the line names the same attribute on every run.
+    names = (
         sub.attr
         for shape in shapes
         for sub in ast.walk(shape)
@@ -110,6 +112,7 @@ def _shaping_counts(cls: type) -> frozenset[str]:
         and sub.value.id == "self"
         and HEAD_COUNT.match(sub.attr)
     )
+    return tuple(dict.fromkeys(names))
 
 
 def _called(call: ast.Call) -> str:
