@@ -506,9 +506,11 @@ def test_the_session_compares_arguments_as_options_and_ignores_the_lengthening_o
     assert "resumed from" in own
 
 
-def _in_default_directory() -> tuple:
+def _in_default_directory(**checkpoint) -> tuple:
     torch.manual_seed(0)
-    session = phalanx.Session(batch={"global_batch_size": 8}, train={"epochs": 1, "progress": False, "metrics": False})
+    session = phalanx.Session(
+        batch={"global_batch_size": 8}, train={"epochs": 1, "progress": False, "metrics": False}, checkpoint=checkpoint
+    )
     model = nn.Linear(4, 1)
     loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=8)
     return session, *session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
@@ -532,3 +534,25 @@ def test_another_scripts_checkpoint_in_the_default_directory_is_named_as_such(tm
     assert "script: train.py saved it, this run is evaluate.py" in line
     assert "give this run its own directory (checkpoint.dir)" in line and "checkpoint.resume: never" in line
     assert "to keep going from that checkpoint set checkpoint.resume_any_run: true" in line
+
+
+def test_a_fresh_run_beside_another_scripts_checkpoints_in_the_default_directory_is_told(tmp_path, monkeypatch, capsys):
+    train, evaluate = tmp_path / "train.py", tmp_path / "evaluate.py"
+    train.write_text("print(1)\n")
+    evaluate.write_text("print(2)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", [str(train)])
+    session, model, _, loader = _in_default_directory()
+    _train(session, model, loader)
+    session.save()
+    session.close()
+    capsys.readouterr()
+    monkeypatch.setattr("sys.argv", [str(evaluate)])
+    session, *_ = _in_default_directory(resume="never")
+    session.close()
+    out = capsys.readouterr().out
+    assert "the default checkpoint directory 'checkpoints' holds another script's checkpoints (train.py" in out
+    monkeypatch.setattr("sys.argv", [str(train)])  # the same script starting afresh: nothing to say
+    session, *_ = _in_default_directory(resume="never")
+    session.close()
+    assert "another script's" not in capsys.readouterr().out

@@ -294,6 +294,18 @@ class RunIdentity:
         )
         return line, None
 
+    def beside_another_script(self, where: Path, manifest: dict[str, Any]) -> str | None:
+        """The note for a run that starts afresh (resume: never) in the default directory, whose newest
+        checkpoint ``where`` another script wrote: its saves will go beside that script's."""
+        old, new = (manifest.get("run") or {}).get("script"), self.record.get("script")
+        if not (self.default_dir and old and new) or Path(old.get("path") or "").name == Path(new["path"]).name:
+            return None
+        return one_line(
+            f"phalanx: note: the default checkpoint directory '{where.parent}' holds another script's checkpoints "
+            f"({Path(old['path']).name}, newest step {manifest['step']}); this run's saves go beside them, and a "
+            "later resume takes the newest of either: give this run its own directory (checkpoint.dir)"
+        )
+
 
 def _names(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)

@@ -331,6 +331,7 @@ class Recovery:
         self.claim(create=False)
         spec, restart = self.config.checkpoint.resume, self._job_restart()
         if spec == "never" and not restart:
+            self._note_shared_default()
             return None
         if spec == "auto" or restart:
             # After a restart, resume.never still means "not from an earlier launch".
@@ -348,6 +349,19 @@ class Recovery:
         else:
             path = Path(spec)
         return path
+
+    def _note_shared_default(self) -> None:
+        """A fresh run in the default directory that another script's checkpoints hold: one note
+        (rank 0 reads; a damaged manifest there is the other run's business)."""
+        if not self.topology.is_main:
+            return
+        try:
+            newest = checkpoint_files.latest(self.root)
+            note = newest and self.identity.beside_another_script(newest, checkpoint_files.read_manifest(newest))
+        except PhalanxError:
+            return
+        if note:
+            self.say(note)
 
     def _holds(self, path: Path) -> tuple | None:
         """What the checkpoint at ``path`` was saved with: (models, optimizer classes, schedulers),
