@@ -516,7 +516,8 @@ def _in_default_directory(**checkpoint) -> tuple:
     return session, *session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
 
 
-def test_another_scripts_checkpoint_in_the_default_directory_is_named_as_such(tmp_path, monkeypatch):
+def _saved_by_train_py(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """train.py's checkpoint in the default directory of ``tmp_path``; (train.py, evaluate.py)."""
     train, evaluate = tmp_path / "train.py", tmp_path / "evaluate.py"
     train.write_text("print(1)\n")
     evaluate.write_text("print(2)\n")
@@ -526,6 +527,11 @@ def test_another_scripts_checkpoint_in_the_default_directory_is_named_as_such(tm
     _train(session, model, loader)
     session.save()
     session.close()
+    return train, evaluate
+
+
+def test_another_scripts_checkpoint_in_the_default_directory_is_named_as_such(tmp_path, monkeypatch):
+    _, evaluate = _saved_by_train_py(tmp_path, monkeypatch)
     monkeypatch.setattr("sys.argv", [str(evaluate)])
     with pytest.raises(PhalanxError) as err:
         _in_default_directory()
@@ -537,15 +543,7 @@ def test_another_scripts_checkpoint_in_the_default_directory_is_named_as_such(tm
 
 
 def test_a_fresh_run_beside_another_scripts_checkpoints_in_the_default_directory_is_told(tmp_path, monkeypatch, capsys):
-    train, evaluate = tmp_path / "train.py", tmp_path / "evaluate.py"
-    train.write_text("print(1)\n")
-    evaluate.write_text("print(2)\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", [str(train)])
-    session, model, _, loader = _in_default_directory()
-    _train(session, model, loader)
-    session.save()
-    session.close()
+    train, evaluate = _saved_by_train_py(tmp_path, monkeypatch)
     capsys.readouterr()
     monkeypatch.setattr("sys.argv", [str(evaluate)])
     session, *_ = _in_default_directory(resume="never")
