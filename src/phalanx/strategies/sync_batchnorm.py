@@ -20,7 +20,6 @@ It also counts the BatchNorm layers left to normalise per process, for one line 
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,15 +48,27 @@ class _Sync:
         return moved.to(tensor.device)
 
 
-# A layer holds the key of its group, not the group: a process group can be neither pickled nor
-# deep-copied, and the model must stay copyable (copy.deepcopy, torch.save of the bare model). A
-# layer whose key is not here (loaded in another process) normalises over its own forward; keys are
-# random (from the OS, not the seeded generators), so a loaded layer's key names no group there.
-_SYNCS: dict[int, _Sync] = {}
+class _SyncRef:
+    """A synced layer's hold on its :class:`_Sync`, one per strategy, shared by its layers. A process
+    group can be neither pickled nor deep-copied, and the model must stay copyable: a copy shares the
+    reference (the same processes), and a pickled model (torch.save of the bare model) keeps none, so
+    a layer loaded in another process normalises over its own forward. Emptied at teardown."""
+
+    __slots__ = ("sync",)
+
+    def __init__(self, sync: _Sync | None):
+        self.sync = sync
+
+    def __deepcopy__(self, memo: dict) -> "_SyncRef":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_SyncRef, (None,))
 
 
 def _sync_of(layer: nn.Module) -> _Sync | None:
-    sync = _SYNCS.get(getattr(layer, "sync_key", None) or 0)
+    ref = getattr(layer, "sync_ref", None)
+    sync = ref.sync if ref is not None else None
     if sync is None or sync.size < 2 or not dist.is_initialized():
         return None
     return sync
@@ -71,7 +82,7 @@ class SyncBatchNorm(BATCH_NORM_BASE):
     torch's CUDA kernels. In eval mode, and with one data-parallel process, it is a plain BatchNorm.
     """
 
-    sync_key: int | None = None
+    sync_ref: _SyncRef | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dim() < 2:
@@ -92,13 +103,13 @@ class SyncBatchNorm(BATCH_NORM_BASE):
 
 
 class _DataGroupSyncBatchNorm(nn.SyncBatchNorm):
-    """torch's SyncBatchNorm (its CUDA kernels), over the data-parallel group it reads by key."""
+    """torch's SyncBatchNorm (its CUDA kernels), over the data-parallel group it holds."""
 
-    sync_key: int | None = None
+    sync_ref: _SyncRef | None = None
 
     @property
     def process_group(self) -> Any:  # read by torch's forward
-        sync = _SYNCS.get(self.sync_key or 0)
+        sync = self.sync_ref.sync if self.sync_ref is not None else None
         return sync.group if sync is not None else None
 
 
@@ -188,7 +199,7 @@ class BatchNorms:
         self.data_parallel_size = data_parallel_size
         self._data_group = data_group
         self._comm_device = comm_device
-        self._key: int | None = None
+        self._ref: _SyncRef | None = None
         self._unsynced = 0  # layers of the models set up since the last say()
 
     def prepare(self, model: nn.Module) -> None:
@@ -203,20 +214,19 @@ class BatchNorms:
         vars(layer).pop("process_group", None)  # phalanx's data-parallel group, whatever was given
         on_cuda = self.device.type == "cuda" and self.data_parallel_size > 1
         layer.__class__ = _DataGroupSyncBatchNorm if on_cuda else SyncBatchNorm
-        layer.sync_key = self._register()
+        layer.sync_ref = self._reference()
 
-    def _register(self) -> int:
-        if self._key is None:
-            self._key = secrets.randbits(63)
+    def _reference(self) -> _SyncRef:
+        if self._ref is None:
             group = self._data_group() if self.data_parallel_size > 1 else None
-            _SYNCS[self._key] = _Sync(group, self.data_parallel_size, self._comm_device)
-        return self._key
+            self._ref = _SyncRef(_Sync(group, self.data_parallel_size, self._comm_device))
+        return self._ref
 
     def close(self) -> None:
         """The process group is going away: the layers normalise over their own forward from here on."""
-        if self._key is not None:
-            _SYNCS.pop(self._key, None)
-            self._key = None
+        if self._ref is not None:
+            self._ref.sync = None
+            self._ref = None
 
     def say(self, plan: BatchPlan | None, say: Callable[[str], None]) -> None:
         """One line for the BatchNorm layers of the models set up since the last call that normalise
