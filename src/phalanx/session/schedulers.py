@@ -32,7 +32,6 @@ class Schedulers:
         self.say = say
         self.all: list[Any] = []  # set-up order: what a checkpoint saves
         self._ours: list[_Ours] = []
-        self._started: set[int] = set()  # those phalanx stepped once (torch warns at a first step)
         self._dropped_said = False
 
     def add(self, scheduler: Any, caller: FrameType | None, *, needs_metric: bool = False) -> None:
@@ -69,20 +68,23 @@ class Schedulers:
 
     def step(self, times: int) -> None:
         """phalanx's step of its schedulers, ``times`` each (batch.adaptive's k)."""
-        first = any(id(ours.scheduler) not in self._started for ours in self._ours)
+        if all(ours.steps for ours in self._ours):  # torch's two warnings below come only from a first step
+            self._step_each(times)
+            return
         with warnings.catch_warnings():
-            if first:
-                # A sharding strategy steps a new optimizer built on the scheduler's param groups;
-                # torch cannot see that the step came first, phalanx guarantees it.
-                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning)
-                warnings.filterwarnings(
-                    "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
-                )
-            for _ in range(times):
-                for ours in self._ours:
-                    ours.scheduler.step()
+            # A sharding strategy steps a new optimizer built on the scheduler's param groups;
+            # torch cannot see that the step came first, phalanx guarantees it.
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="Seems like `optimizer.step\\(\\)` has been overridden", category=UserWarning
+            )
+            self._step_each(times)
+
+    def _step_each(self, times: int) -> None:
+        for _ in range(times):
+            for ours in self._ours:
+                ours.scheduler.step()
         for ours in self._ours:
-            self._started.add(id(ours.scheduler))
             ours.stepped()
 
     def mark(self) -> None:
@@ -151,8 +153,8 @@ class _Ours:
 
     def stepped(self) -> None:
         self.steps += 1
-        now = [group["lr"] for group in self.scheduler.optimizer.param_groups]
-        self.changed_lr = self.changed_lr or now != self.initial_lrs
+        if not self.changed_lr:
+            self.changed_lr = [group["lr"] for group in self.scheduler.optimizer.param_groups] != self.initial_lrs
         self.seen = self.scheduler.last_epoch
 
 

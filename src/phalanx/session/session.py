@@ -659,7 +659,7 @@ class Session:
         # scheduler, no noise probe) are not called at all.
         state, batch, guards, noise = self.state, self._batch, self._guards, self._batch.noise
         self._loop.before_step(batch.accumulation_steps, self._models)
-        schedulers = self._schedulers.stepped_by_phalanx and self._schedulers
+        schedulers = self._schedulers if self._schedulers.stepped_by_phalanx else None
         if schedulers:
             schedulers.before_step()
         estimated = self.metrics.noise_estimated = noise.estimates and noise.measuring(state.step)
