@@ -12,6 +12,19 @@ from phalanx.session import collectives
 
 
 @pytest.fixture
+def two_ranks(monkeypatch) -> dict:
+    """gather_in_order's arguments for two ranks, whose all_gather fills this rank's value and the
+    other's (this one's plus 10)."""
+
+    def all_gather(parts, local, group=None):
+        parts[0].copy_(local)
+        parts[1].copy_(local + 10)
+
+    monkeypatch.setattr(collectives.dist, "all_gather", all_gather)
+    return {"data_parallel_size": 2, "group": None, "comm_device": torch.device("cpu"), "loader": None}
+
+
+@pytest.fixture
 def session():
     s = Session(Config(), train={"progress": False}, checkpoint={"resume": "never"})
     yield s
@@ -43,14 +56,8 @@ def test_numbers_inside_an_evaluation_loop_are_per_batch_values(session):
     assert torch.cat(sums).tolist() == [6.0, 22.0, 17.0]
 
 
-def test_several_processes_give_every_rank_value_in_rank_order(monkeypatch):
-    # Two ranks, as all_gather fills them: this rank's value and the other's.
-    def all_gather(parts, local, group=None):
-        parts[0].copy_(local)
-        parts[1].copy_(local + 10)
-
-    monkeypatch.setattr(collectives.dist, "all_gather", all_gather)
-    args = {"data_parallel_size": 2, "group": None, "comm_device": torch.device("cpu"), "loader": None}
+def test_several_processes_give_every_rank_value_in_rank_order(two_ranks):
+    args = two_ranks
     gathered = collectives.gather_in_order(0.5, **args)
     assert gathered.tolist() == [0.5, 10.5] and gathered.dtype == torch.float64
     assert collectives.gather_in_order(torch.tensor(2), **args).tolist() == [2, 12]
@@ -63,14 +70,9 @@ def test_other_values_are_one_line(session):
         session.gather_for_metrics("0.5")
 
 
-def test_a_tuple_gathers_each_entry_as_accelerate_does(monkeypatch):
-    def all_gather(parts, local, group=None):
-        parts[0].copy_(local)
-        parts[1].copy_(local + 10)
-
-    monkeypatch.setattr(collectives.dist, "all_gather", all_gather)
-    args = {"data_parallel_size": 2, "group": None, "comm_device": torch.device("cpu"), "loader": None}
-    predictions, labels, loss = collectives.gather_in_order((torch.tensor([1, 2]), torch.tensor([3]), 0.5), **args)
+def test_a_tuple_gathers_each_entry_as_accelerate_does(two_ranks):
+    entries = (torch.tensor([1, 2]), torch.tensor([3]), 0.5)
+    predictions, labels, loss = collectives.gather_in_order(entries, **two_ranks)
     assert predictions.tolist() == [1, 2, 11, 12] and labels.tolist() == [3, 13] and loss.tolist() == [0.5, 10.5]
 
 
