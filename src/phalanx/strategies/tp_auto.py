@@ -41,8 +41,7 @@ def automatic(
         raise ConfigError(
             f"tensor parallelism found nothing in {type(model).__name__} it can split by itself (the MLP blocks' "
             f"pairs of nn.Linear layers, up then down, with an elementwise step between){mixed}; name the modules to "
-            "split in "
-            "strategy.tp.plan, e.g. {'layers.*.mlp.up': colwise, 'layers.*.mlp.down': rowwise}"
+            "split in strategy.tp.plan, e.g. {'layers.*.mlp.up': colwise, 'layers.*.mlp.down': rowwise}"
         )
     return styles, tuple(whole), tuple(mixing)
 
