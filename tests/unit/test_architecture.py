@@ -13,7 +13,7 @@ LAYERS = {
     "__main__": 10, "cli": 10,
     "tune": 9,
     "bench": 8,
-    "harness": 7, "diagnose": 7, "demo": 7,
+    "harness": 7, "diagnose": 7, "demo": 7, "check": 7,
     "launch": 6,
     "session": 5, "plan": 5,
     "strategies": 4,
