@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "phalanx"
 LAYERS = {
     "__main__": 10, "cli": 10,
     "tune": 9,
-    "bench": 8,
+    "bench": 8, "verify": 8,
     "harness": 7, "diagnose": 7, "demo": 7, "check": 7,
     "launch": 6,
     "session": 5, "plan": 5,

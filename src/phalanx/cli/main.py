@@ -22,6 +22,8 @@ COMMANDS = {
     "bench": "bench_cmd",
     "tune": "tune_cmd",
     "checkpoint": "checkpoint_cmd",
+    "check": "check_cmd",
+    "verify": "verify_cmd",
 }
 
 

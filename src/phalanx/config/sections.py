@@ -324,6 +324,13 @@ class TrainConfig(Section):
     seed: int = Field(
         0, description="seed for model init, shuffling and every rank's RNG (rank-offset where it must differ)"
     )
+    weights_trace: Optional[str] = Field(
+        None,
+        description=(
+            "directory into which rank 0 writes every model's full weights after each optimizer step, for "
+            "phalanx verify to compare (it sets this; a full gather per step: for checks, not for training)"
+        ),
+    )
     progress: bool = Field(True, description="rank-0 progress bar with loss and samples/s")
     metrics: bool = Field(True, description="per-step metrics JSONL in the run dir and the end-of-run summary")
     tensorboard: bool = Field(True, description="also write TensorBoard scalars when tensorboard is installed")

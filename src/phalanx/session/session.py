@@ -63,6 +63,7 @@ from phalanx.session.noise import NoiseProbe
 from phalanx.session.recovery import Recovery
 from phalanx.session.schedulers import Schedulers
 from phalanx.session.state import TrainState
+from phalanx.session.trace import WeightsTrace
 from phalanx.session.weights import Weights
 from phalanx.strategies import create_strategy
 from phalanx.strategies.construction import empty_parameters, materialized_bytes
@@ -139,6 +140,17 @@ class Session:
         self._step_limit = StepLimit(config.train.max_steps, lambda: self.state.step, self.print)
         # The loop's own shape: backwards that bypass session.backward, a resumed count (loop_checks.py).
         self._loop = LoopChecks(self.state, self.print, limited=config.train.max_steps is not None)
+        self._trace = (
+            WeightsTrace(
+                config.train.weights_trace,
+                self.is_main,
+                self._models,
+                self.strategy.model_state_dict,
+                self.strategy.unwrap,
+            )
+            if config.train.weights_trace
+            else None
+        )
         run_dir = self._context.run_dir if self._context else None
         job = self._context.job if self._context else None
         checkpointer = Checkpointer(
@@ -658,6 +670,8 @@ class Session:
         # Every optimizer step runs what follows: collaborators with nothing to do in a run (no
         # scheduler, no noise probe) are not called at all.
         state, batch, guards, noise = self.state, self._batch, self._guards, self._batch.noise
+        if self._trace:
+            self._trace.before_first_step(state.step)
         self._loop.before_step(batch.accumulation_steps, self._models)
         schedulers = self._schedulers if self._schedulers.stepped_by_phalanx else None
         if schedulers:
@@ -676,6 +690,8 @@ class Session:
             if stepped:
                 self._loop.at_step()
                 state.step += 1
+                if self._trace:
+                    self._trace.write(state.step)
                 if schedulers:
                     schedulers.step(batch.schedule_steps)
             for opt in self._optimizers:

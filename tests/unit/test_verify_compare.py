@@ -1,0 +1,139 @@
+"""phalanx verify's pieces without processes: the difference measure, the comparison of two
+traces, the causes read from the runs' own warnings, the table and the verdict lines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from phalanx.session.loop_checks import LoopChecks
+from phalanx.session.trace import WeightsTrace, random_modules
+from phalanx.strategies.sync_batchnorm import unsynced_line
+from phalanx.verify import VerifyOptions, VerifyResult, uses_phalanx
+from phalanx.verify.causes import from_first_difference, from_logs
+from phalanx.verify.compare import StepDiff, compare_traces, compare_weights, relative_difference, trace_facts
+from phalanx.verify.report import summary, table
+
+FEW = settings(derandomize=True, database=None, max_examples=60, deadline=None)
+values = st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=16)
+
+
+@FEW
+@given(values, st.floats(1e-3, 1e3))
+def test_a_tensor_equals_itself_and_the_measure_is_symmetric_and_scale_free(xs, factor):
+    a = torch.tensor(xs, dtype=torch.float64)
+    b = a + 0.5
+    assert relative_difference(a, a.clone()) == 0.0
+    assert relative_difference(a, b) == relative_difference(b, a)
+    if a.abs().max() * factor > 1e-3:  # above the floor, scaling both leaves the measure alone
+        big = max(a.abs().max().item(), b.abs().max().item())
+        assert relative_difference(a * factor, b * factor) == pytest.approx(0.5 / big, rel=1e-5)
+
+
+def test_a_tensor_near_zero_is_measured_against_the_floor():
+    # A bias one Adam step from zero: rounding stays below the tolerance, a wrong step does not.
+    bias = torch.tensor([2.8e-4])
+    assert relative_difference(bias, bias + 4.7e-10) < 1e-6
+    assert relative_difference(bias, bias * 2) > 1e-2
+
+
+def test_other_shapes_counters_and_non_finite_values_count_as_different():
+    assert relative_difference(torch.zeros(2), torch.zeros(3)) == math.inf
+    assert relative_difference(torch.tensor(3), torch.tensor(4)) == math.inf
+    assert relative_difference(torch.tensor(3), torch.tensor(3)) == 0.0
+    assert relative_difference(torch.tensor([1.0, math.nan]), torch.tensor([1.0, 2.0])) == math.inf
+    diff = compare_weights(1, {"w": torch.tensor([math.inf])}, {"w": torch.tensor([1.0])})
+    assert diff.difference == math.inf and "not finite" in diff.note
+
+
+def test_the_worst_tensor_is_named_and_a_missing_one_too():
+    ours = {"a": torch.ones(3), "b": torch.ones(3) * 2, "c": torch.ones(3)}
+    theirs = {"a": torch.ones(3), "b": torch.ones(3), "c": torch.ones(3) * 1.5}
+    diff = compare_weights(4, ours, theirs)
+    assert (diff.step, diff.tensor) == (4, "b") and diff.difference == pytest.approx(0.5)
+    assert compare_weights(0, {"a": torch.ones(1)}, {"a": torch.ones(1), "z": torch.ones(1)}).tensor == "z"
+    assert compare_weights(0, ours, {k: v.clone() for k, v in ours.items()}).tensor is None
+
+
+def test_a_trace_written_by_the_session_collaborator_compares(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1), nn.Linear(2, 1))
+    for name in ("one", "two"):
+        trace = WeightsTrace(str(tmp_path / name), True, [model], lambda m: m.state_dict(), lambda m: m)
+        trace.before_first_step(0)
+        trace.before_first_step(0)  # once only
+        with torch.no_grad():
+            model[0].weight.add_(1.0 if name == "two" else 0.0)
+        trace.write(1)
+    diffs = compare_traces(tmp_path / "two", tmp_path / "one", [0, 1, 2])
+    assert [(d.step, d.tensor) for d in diffs] == [(0, None), (1, "0.weight")]
+    assert trace_facts(tmp_path / "one") == {"random_modules": ["1"]}
+    assert random_modules(nn.Sequential(nn.Dropout(0.0))) == []
+
+
+def test_the_runs_warnings_name_the_causes_in_their_own_words():
+    said: list[str] = []
+    checks = LoopChecks(None, said.append, limited=False)
+    loss = torch.ones(2, requires_grad=True).sum()
+    checks.check_loss(loss, shares=2)
+    log = [
+        "[rank 0] " + unsynced_line(1, None, 2),
+        *said,
+        "phalanx: scheduler.step() is called between the micro-steps of a global batch; only ...",
+        "unrelated",
+    ]
+    causes = from_logs(log)
+    assert [c.split(":")[0] for c in causes] == ["BatchNorm without sync", "a sum loss", "a scheduler stepped by hand"]
+
+
+def test_the_difference_itself_points_at_causes():
+    bn = from_first_difference(StepDiff(3, 0.1, "body.1.running_mean"), {})
+    assert bn[0].startswith("BatchNorm without sync")
+    start = from_first_difference(StepDiff(0, 0.1, "w"), {"random_modules": ["drop"]})
+    assert "before the first step" in start[0] and "dropout (drop)" in start[1]
+
+
+def _result(scaling: list[float], resume: list[float]) -> VerifyResult:
+    return VerifyResult(
+        nproc=2,
+        steps=len(scaling) - 1,
+        tolerance=1e-5,
+        scaling=[StepDiff(i, d, "w" if d else None) for i, d in enumerate(scaling)],
+        resume=[StepDiff(i + 2, d, "w" if d else None) for i, d in enumerate(resume)],
+        resumed_at=2,
+        causes=["a sum loss: ..."],
+    )
+
+
+def test_the_table_and_the_verdict():
+    good = _result([0, 1e-7, 2e-7, 1e-7, 1e-7], [0, 0, 0])
+    assert good.holds
+    rows = table(good)
+    assert rows[0].split()[:2] == ["step", "1"] and rows[1].startswith("0 (start)") and len(rows) == 6
+    assert "2 processes train like 1 for 4 steps" in summary(good)[-1]
+    bad = _result([0, 1e-7, 3e-2, math.inf, 1], [0, 0, 1e-3])
+    assert not bad.holds and "DIFFERS" in table(bad)[3]
+    text = "\n".join(summary(bad))
+    assert "do not train like 1: first at step 2, in w (3.0e-02 > 1e-05)" in text
+    assert "resumed at step 2 does not match the uninterrupted one: first at step 4" in text
+    assert "likely causes:\n  - a sum loss" in text
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [({"nproc": 1}, "--nproc must be at least 2"), ({"steps": 1}, "--steps"), ({"tolerance": 0}, "--tolerance")],
+)
+def test_options_that_cannot_verify_are_refused(changes, words):
+    with pytest.raises(Exception, match=words):
+        VerifyOptions(script="x.py", **changes).check()
+
+
+def test_only_a_script_that_imports_phalanx_is_run(tmp_path):
+    plain, ported = tmp_path / "plain.py", tmp_path / "ported.py"
+    plain.write_text("import torch\nimport torch.distributed as dist\n")
+    ported.write_text("from phalanx import Session\n")
+    assert not uses_phalanx(str(plain)) and uses_phalanx(str(ported))
