@@ -13,12 +13,12 @@ LAYERS = {
     "__main__": 10, "cli": 10,
     "tune": 9,
     "bench": 8, "verify": 8,
-    "harness": 7, "diagnose": 7, "demo": 7, "check": 7,
+    "harness": 7, "diagnose": 7, "demo": 7,
     "launch": 6,
     "session": 5, "plan": 5,
     "strategies": 4,
     "runtime": 3, "metrics": 3, "faults": 3,
-    "checkpoint": 2, "config": 2,
+    "checkpoint": 2, "config": 2, "check": 2,
     "util": 1, "topology": 1, "errors": 1, "version": 1, "_torch_compat": 1, "phalanx": 1,
 }  # fmt: skip
 

@@ -124,6 +124,7 @@ NEGATIVE = {
     "set-epoch-missing": [
         DDP_HEAD + "sampler = DistributedSampler(ds)\nfor e in range(3):\n    sampler.set_epoch(e)\n",
         DDP_HEAD + "loader = DataLoader(ds, sampler=DistributedSampler(ds))\nloader.sampler.set_epoch(1)\n",
+        DDP_HEAD + "sampler = DistributedSampler(ds)\nrun(loader, on_epoch=sampler.set_epoch)\n",
         DDP_HEAD + "sampler = DistributedSampler(ds, shuffle=False)\n",
         SESSION_HEAD + "sampler = DistributedSampler(ds)\nfor epoch in session.epochs():\n    pass\n",
     ],

@@ -16,7 +16,8 @@ _EVAL = re.compile(r"^(val|valid|validation|eval|evaluation|test|dev)(loader|sam
 
 
 def check(script: Script, ranks: Ranks) -> Iterator[Finding]:
-    sets_epoch = any(last_name(c) == "set_epoch" for c in script.calls)
+    # Any mention counts, not only a call: a script may hand `sampler.set_epoch` to the code that loops.
+    sets_epoch = any(isinstance(n, ast.Attribute) and n.attr == "set_epoch" for n in ast.walk(script.tree))
     for call in script.calls:
         name = last_name(call)
         if name == "DistributedSampler" and _shuffles(call, default=True):

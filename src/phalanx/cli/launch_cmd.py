@@ -34,6 +34,12 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--verbose", action="store_true", help="also show torch elastic's own log lines")
     parser.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="launch even when `phalanx check` finds an error in the script (as --set launch.check=false)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="steps=A:B",
         help=(
@@ -109,6 +115,7 @@ def _request(args: argparse.Namespace, script: str, script_args: list[str], name
         config_file=args.config,
         overrides=[*args.overrides, *profile_overrides(args.profile, args.profile_ranks)],  # the flags win over --set
         name=name,
+        check=args.check,
         **{key: getattr(args, key) for key in LAUNCH_FLAGS},  # the request turns them into launch.* lines
     )
 

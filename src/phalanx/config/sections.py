@@ -537,6 +537,13 @@ class LaunchConfig(Section):
         None, description="job id that every node passes to the c10d rendezvous (null: SLURM_JOB_ID, else 'phalanx')"
     )
     verbose: bool = Field(False, description="also show torch elastic's own log lines, and the run time at the end")
+    check: bool = Field(
+        True,
+        description=(
+            "run phalanx check on the script before any worker starts: its findings are shown, and an error "
+            "stops the launch (false, or --no-check: launch anyway)"
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod

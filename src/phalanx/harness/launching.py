@@ -172,7 +172,8 @@ def launch_command(
     config_file: str | None = None,
     overrides: Sequence[str] = (),
 ) -> list[str]:
-    command = [sys.executable, "-m", "phalanx", "launch", "--nproc", str(nproc), "--run-dir", str(parent)]
+    # The command that runs the trials checked the script already, or wants its runs whatever it finds.
+    command = [sys.executable, "-m", "phalanx", "launch", "--nproc", str(nproc), "--run-dir", str(parent), "--no-check"]
     if cpu:
         command.append("--cpu")
     if config_file:

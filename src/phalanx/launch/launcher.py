@@ -29,6 +29,7 @@ from phalanx.launch.devices import DevicePlan, plan_devices
 from phalanx.launch.outcome import report_failure, report_preemption
 from phalanx.launch.preflight import check_checkpoint_owner, check_output_dirs, check_script
 from phalanx.launch.rendezvous import Rendezvous, hosts_store, plan_rendezvous
+from phalanx.launch.script_check import check_before_launch
 from phalanx.metrics.profile import ProfileWindow
 from phalanx.metrics.summary_display import report_run
 from phalanx.strategies import check_combination, strategy_class
@@ -58,6 +59,7 @@ class LaunchRequest:
     ranks: str | None = None
     run_dir: str | None = None
     verbose: bool = False
+    check: bool = True  # False: --no-check, a shorthand for --set launch.check=false
     name: str | None = None  # names the run directory (default: the script's file name)
     extra_env: dict[str, str] = field(default_factory=dict)
     max_restarts: int | None = None
@@ -71,7 +73,8 @@ class LaunchRequest:
         """The flags given, as ``--set`` lines (YAML scalars, so '1' stays text and 4 a number)."""
         given = {key: getattr(self, key) for key in LAUNCH_FLAGS}
         # `is`, not `in (None, False)`: --node-rank 0 and --max-restarts 0 are values to pass on.
-        return [f"launch.{key}={scalar(v)}" for key, v in given.items() if v is not None and v is not False]
+        lines = [f"launch.{key}={scalar(v)}" for key, v in given.items() if v is not None and v is not False]
+        return lines if self.check else [*lines, "launch.check=false"]
 
     def check_flags(self) -> None:
         """The flags alone, by the schema's rules for their ``launch.*`` keys (the same validation
@@ -194,6 +197,8 @@ def _load(config_file: str | None, overrides: Sequence[str], cpu_flag: bool) -> 
 def launch(request: LaunchRequest) -> int:
     """Run the job; returns the exit code for the CLI."""
     plan = prepare(request)
+    if plan.config.launch.check:
+        check_before_launch(request.script)
     with checkpoint_lock(plan):  # before the run directory: a refused job leaves nothing behind
         # Under the lock: a job still running in the directory is named as such, and no save moves
         # 'latest' while the check reads it.
