@@ -103,6 +103,7 @@ ALTERNATIVES: dict[str, list[Any]] = {
     "faults.hang_timeout": [60.0],
     "faults.first_step_timeout": [600.0],
     "faults.preempt_grace": [30.0],
+    "faults.replica_check_every": [1, 0],
     "launch.nproc": [4],
     "launch.gpus": ["0,1"],
     "launch.cpu": [True],

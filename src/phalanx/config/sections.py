@@ -470,6 +470,14 @@ class FaultsConfig(Section):
         le=A_WEEK,
         description="seconds a SIGTERM'd job gets to finish its step and write a checkpoint before it is killed",
     )
+    replica_check_every: int = Field(
+        100,
+        ge=0,
+        description=(
+            "optimizer steps between two comparisons of the data-parallel replicas' weights, which must stay "
+            "equal; a replica that drifts apart stops the job in one line; 0 turns the check off"
+        ),
+    )
 
 
 class LaunchConfig(Section):

@@ -38,6 +38,7 @@ from phalanx.config.schema import Config
 from phalanx.config.template import write_resolved
 from phalanx.errors import PhalanxError
 from phalanx.faults.lifeline import watch_launcher
+from phalanx.faults.replicas import ReplicaCheck
 from phalanx.metrics.recorder import create_recorder
 from phalanx.runtime.compute import Compute
 from phalanx.runtime.data import DeviceLoader, shard_loader
@@ -127,6 +128,12 @@ class Session:
         # session.backward(loss, items=n): the window's items, and the step's rescaling by them.
         self._items = ItemWeighting(
             self.strategy.data_parallel_size, self.strategy.data_group, self.topology.comm_device
+        )
+        # Replicas' weights compared every faults.replica_check_every steps (None: no replica to compare).
+        strategy, every = self.strategy, config.faults.replica_check_every
+        optimizers = self._optimizers if strategy.replicates_optimizer_state else []  # zero1 shards their state
+        self._replicas = ReplicaCheck.create(
+            every, strategy.replica_group(), self.topology.comm_device, self._models, optimizers, strategy.unwrap
         )
         self.metrics.at_flush.append(self._batch.noise.settle)  # bounded, also without train.metrics
         self._gradients = GradientKeeping(config, self._models, self._optimizers, self.print)  # also with no optimizer
@@ -708,6 +715,8 @@ class Session:
             self._memory_cap.check()  # the optimizer's state appears at its first step
         if stepped and self.state.step % ITEMS_CHECK_EVERY == 0:
             self._items.check()  # at the same step on every rank: each refuses the run alike
+        if stepped and self._replicas is not None:
+            self._replicas.after_step(self.state.step)  # the same step on every rank, like the items' check
         if stepped:
             batch.after_step(self._last_loss, self.metrics.last_times, estimated, self._optimizers)
         self._recovery.after_step()

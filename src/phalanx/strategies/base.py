@@ -235,6 +235,21 @@ class Strategy:
             return None
         return self.mesh.get_group(next(a for a in DATA_AXES if self.layout.size(a) > 1))
 
+    def replica_group(self) -> Any:
+        """The process group of the ranks that each hold a copy of this rank's local parameters (and
+        tensor slices), which must stay equal bit for bit (faults/replicas.py compares them); None
+        where no other rank holds one. The replicate axis: ddp's and zero1's ranks, tp's replicas.
+        fsdp's data axis shards parameters, and pipeline stages hold different layers: none there."""
+        if self.layout.dp_replicate == 1:
+            return None
+        return self.data_group or dist.group.WORLD
+
+    @property
+    def replicates_optimizer_state(self) -> bool:
+        """Whether the optimizer state this rank holds is copied on the rest of replica_group()
+        (zero1 shards it over them instead)."""
+        return "dp_replicate" not in self.sharding(self.config.strategy).optimizer
+
     @property
     def mesh(self) -> Any:
         """The DeviceMesh over the layout's used axes (made once, after the process group)."""
