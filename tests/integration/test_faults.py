@@ -77,11 +77,11 @@ def _same(a: Path, b: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """An uninterrupted 2-process ddp run; saves every 6 steps (keeping the last 3)."""
+    """An uninterrupted 2-process ddp run; saves every 6 steps (keeping the last 3). Its replicas are
+    compared every 4 steps: with dropout drawn per rank, they must never be found apart."""
     tmp = tmp_path_factory.mktemp("reference")
-    result = _launch(
-        tmp, "ref.pt", "--nproc", "2", "--set", "checkpoint.save_every=6", "--set", "checkpoint.resume=never"
-    )
+    settings = ("checkpoint.save_every=6", "checkpoint.resume=never", "faults.replica_check_every=4")
+    result = _launch(tmp, "ref.pt", "--nproc", "2", *(arg for s in settings for arg in ("--set", s)))
     assert result.returncode == 0, result.output
     return tmp
 
