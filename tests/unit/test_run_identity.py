@@ -89,6 +89,7 @@ ALTERNATIVES: dict[str, list[Any]] = {
     "train.metrics": [False],
     "train.tensorboard": [False],
     "train.profile": ["steps=5:8"],
+    "train.weights_trace": ["trace"],
     "train.profile_ranks": [[0, 1]],
     "train.memory_cap": ["2GiB"],
     "train.noise_scale": [False, "hook"],
@@ -119,6 +120,7 @@ ALTERNATIVES: dict[str, list[Any]] = {
     "launch.rdzv_endpoint": ["node01:29400"],
     "launch.rdzv_id": ["job7"],
     "launch.verbose": [True],
+    "launch.check": [False],
 }
 STRATEGIES = ["single", "ddp", "zero1", "fsdp", "pipeline"]
 

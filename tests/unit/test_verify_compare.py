@@ -49,6 +49,7 @@ def test_other_shapes_counters_and_non_finite_values_count_as_different():
     assert relative_difference(torch.tensor([1.0, math.nan]), torch.tensor([1.0, 2.0])) == math.inf
     diff = compare_weights(1, {"w": torch.tensor([math.inf])}, {"w": torch.tensor([1.0])})
     assert diff.difference == math.inf and "not finite" in diff.note
+    assert "holds other counts" in compare_weights(1, {"n": torch.tensor(2)}, {"n": torch.tensor(3)}).note
 
 
 def test_the_worst_tensor_is_named_and_a_missing_one_too():
@@ -64,8 +65,7 @@ def test_a_trace_written_by_the_session_collaborator_compares(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1), nn.Linear(2, 1))
     for name in ("one", "two"):
         trace = WeightsTrace(str(tmp_path / name), True, [model], lambda m: m.state_dict(), lambda m: m)
-        trace.before_first_step(0)
-        trace.before_first_step(0)  # once only
+        trace.start(0)
         with torch.no_grad():
             model[0].weight.add_(1.0 if name == "two" else 0.0)
         trace.write(1)

@@ -316,6 +316,8 @@ class Session:
             self._memory_cap.start()  # what training adds counts, not what the script loaded before
         # A resumed run is back at its checkpoint when setup() returns (once all it holds is set up).
         self._recovery.resume_if_set_up()
+        if self._trace:
+            self._trace.start(self.state.step)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _setup_one(self, obj: Any, caller: Any, train: bool, implicit: bool = False) -> Any:
@@ -357,6 +359,8 @@ class Session:
         if self._set_up:
             self._announce()  # the plan may be new: tune and bench read it from session.json
             self._recovery.resume_if_set_up()
+            if self._trace:
+                self._trace.start(self.state.step)
         return wrapped
 
     def _setup_loader(
@@ -677,8 +681,6 @@ class Session:
         # Every optimizer step runs what follows: collaborators with nothing to do in a run (no
         # scheduler, no noise probe) are not called at all.
         state, batch, guards, noise = self.state, self._batch, self._guards, self._batch.noise
-        if self._trace:
-            self._trace.before_first_step(state.step)
         self._loop.before_step(batch.accumulation_steps, self._models)
         schedulers = self._schedulers if self._schedulers.stepped_by_phalanx else None
         if schedulers:

@@ -47,14 +47,13 @@ class WeightsTrace:
         self._models = models
         self._full_state = full_state
         self._bare = bare
-        self._first_done = False
         if is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
 
-    def before_first_step(self, step: int) -> None:
-        """The weights the first optimizer step starts from (step 0, or a resume's restored step)."""
-        if not self._first_done:
-            self._first_done = True
+    def start(self, step: int) -> None:
+        """The weights training starts from, once setup() has them (a resume's included): before any
+        forward, whose BatchNorm statistics would already count. A later setup() writes them again."""
+        if self._models:
             self.write(step)
 
     def write(self, step: int) -> None:

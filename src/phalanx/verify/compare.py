@@ -64,6 +64,8 @@ def compare_weights(step: int, ours: dict[str, torch.Tensor], theirs: dict[str, 
     note = ""
     if name and ours[name].shape != theirs[name].shape:
         note = f"{name} has another shape"
+    elif worst == math.inf and not ours[name].is_floating_point():
+        note = f"{name} holds other counts"
     elif worst == math.inf:
         note = f"{name} is not finite (inf or nan) in one run"
     return StepDiff(step, worst, name, note)
