@@ -126,7 +126,7 @@ BAD_INPUT = [
     (["launch", "--cpu", "missing.py"], "script 'missing.py' not found"),
     (
         ["launch", "--cpu", "--set", "precision.mode=fp8", "ok.py"],
-        "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16' or 'fp16'",
+        "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16', 'fp16' or 'fp64'",
     ),
     (
         ["launch", "--cpu", "--set", "batch.global_batch_size=64", "--set", "batch.micro_batch_size=24", "ok.py"],

@@ -91,7 +91,7 @@ def test_override_config_keeps_sources(tmp_path):
     [
         (
             ["precision.mode=fp8"],
-            "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16' or 'fp16'",
+            "invalid value 'fp8' for 'precision.mode' (from --set): Input should be 'fp32', 'bf16', 'fp16' or 'fp64'",
         ),
         (
             ["precision.colour=red"],

@@ -32,6 +32,12 @@ def register(commands) -> None:
         metavar="T",
         help=f"largest relative difference of a weight tensor that counts as equal (default {TOLERANCE:g}, for fp32)",
     )
+    verify.add_argument(
+        "--fp64",
+        action="store_true",
+        help="compare in float64 (precision.mode fp64: weights, buffers and inputs), where fp32 rounding that a "
+        "deep network amplifies cannot look like a difference",
+    )
     options.add_config(verify, "for every run")
     options.add_set(verify, "for every run")
     verify.add_argument(
@@ -57,6 +63,7 @@ def _run_verify(args: argparse.Namespace) -> int:
             config_file=args.config,
             overrides=tuple(args.overrides),
             run_dir=args.run_dir,
+            fp64=args.fp64,
         ),
         say=lambda line: print(line, flush=True),
     )

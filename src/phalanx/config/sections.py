@@ -211,8 +211,12 @@ class OptimConfig(Section):
 
 
 class PrecisionConfig(Section):
-    mode: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler)"
+    mode: Literal["fp32", "bf16", "fp16", "fp64"] = Field(
+        "fp32",
+        description=(
+            "fp32 | bf16 | fp16 (autocast; fp16 adds a GradScaler) | fp64 (float64 weights and inputs: "
+            "for phalanx verify --fp64's comparisons, not for training)"
+        ),
     )
     tf32: bool = Field(
         False,

@@ -8,12 +8,13 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from phalanx import _torch_compat as compat
 from phalanx.config.schema import PrecisionConfig
 from phalanx.util.tree import map_tensors
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 # Measured: nanoGPT 1.75 s against 0.19 s per step; benchmarks/cpu_fp16.py 18-22x (AMD EPYC, 2 threads).
 CPU_FP16_NOTE = (
     "phalanx: precision.mode fp16 on a CPU makes each training step about 9-22x slower than fp32 "
@@ -30,6 +31,10 @@ class Precision:
         self.notes: list[str] = []  # said once on rank 0 by the Session
         self._watched: set[int] = set()  # optimizers whose steps a post hook reports
         self._stepped: set[int] = set()
+        if config.mode == "fp64":
+            # Tensors the script makes after the Session (its data, noise) are float64 too, so a
+            # float32 one never meets a float64 weight in a matmul.
+            torch.set_default_dtype(torch.float64)
         if config.mode == "fp16" and device.type == "cpu":
             # Most CPUs have no fp16 matmul (bf16 they often have), so autocast's fp16 kernels
             # convert and run slowly, and nothing else would tell the user (benchmarks/cpu_fp16.py).
@@ -43,14 +48,20 @@ class Precision:
             if config.cudnn_benchmark:
                 torch.backends.cudnn.benchmark = True
 
+    def prepare_model(self, model: nn.Module) -> None:
+        """fp64: the model's floating weights and buffers in float64, before any wrapper sees them."""
+        if self.mode == "fp64":
+            model.to(torch.float64)
+
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.mode == "fp32":
+        if self.mode in ("fp32", "fp64"):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def wrap_forward(self, forward: Callable, *, autocast: bool = True) -> Callable:
         """Run ``forward`` under autocast and hand back fp32 outputs, so the loss is computed in fp32.
-        ``autocast=False`` where the strategy casts parameters itself (FSDP's mixed precision)."""
+        ``autocast=False`` where the strategy casts parameters itself (FSDP's mixed precision).
+        fp64: the floating inputs go in as float64 (a batch read as float32), the outputs stay so."""
         if self.mode == "fp32":
             return forward
         return _AutocastForward(self, forward, autocast)
@@ -121,6 +132,9 @@ class _AutocastForward:
         self.precision, self.forward, self.autocast = precision, forward, autocast
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.precision.mode == "fp64":
+            args, kwargs = _to_fp64((args, kwargs))
+            return self.forward(*args, **kwargs)
         with self.precision.autocast() if self.autocast else contextlib.nullcontext():
             out = self.forward(*args, **kwargs)
         return _to_fp32(out)
@@ -135,6 +149,10 @@ class _AutocastForward:
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _to_fp64(value: Any) -> Any:
+    return map_tensors(value, lambda t: t.double() if t.is_floating_point() and t.dtype != torch.float64 else t)
 
 
 def _to_fp32(value: Any) -> Any:

@@ -147,6 +147,7 @@ class Session:
         self._step_limit = StepLimit(config.train.max_steps, lambda: self.state.step, self.print)
         # The loop's own shape: backwards that bypass session.backward, a resumed count (loop_checks.py).
         self._loop = LoopChecks(self.state, self.print, limited=config.train.max_steps is not None)
+        self._split_tensors = False  # session.shard() dealt the script's tensors: phalanx split its batches
         self._trace = (
             WeightsTrace(
                 config.train.weights_trace,
@@ -154,6 +155,7 @@ class Session:
                 self._models,
                 self.strategy.model_state_dict,
                 self.strategy.unwrap,
+                lambda: self._split_tensors or any(loader.train for loader in self._loaders),
             )
             if config.train.weights_trace
             else None
@@ -273,6 +275,8 @@ class Session:
         self._weights.load(model, source, strict=strict)
         if self._memory_cap is not None:
             self._memory_cap.check("loading holds one tensor at a time on top of the model: raise the cap")
+        if self._trace:
+            self._trace.start(self.state.step)  # the weights training starts from are these
 
     def setup(self, *objects: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
@@ -409,6 +413,7 @@ class Session:
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         model, compiled = self._compute.take_compiled_apart(model)
+        self.precision.prepare_model(model)
         if self._memory_cap is not None and self.device.type == "cpu":
             self._memory_cap.add_arrived(materialized_bytes(model))  # what a GPU run would copy onto its device
         model = self.strategy.place(model)
@@ -801,6 +806,7 @@ class Session:
         tensor one global batch wide (a stream's columns) as a list of one piece per micro-step, in the
         order they run."""
         s = self.strategy
+        self._split_tensors = True
         return shard_tensors(
             tensors,
             dim=dim,
@@ -855,7 +861,10 @@ class Session:
     def load(self, path: str | Path | None = None, *, weights_only: bool = False) -> Path:
         """Restore from checkpoint ``path`` (default: the latest in ``checkpoint.dir``); every rank
         must call it, after setup(). ``weights_only``: only the models' weights (e.g. to fine-tune)."""
-        return self._recovery.load(path, weights_only)
+        loaded = self._recovery.load(path, weights_only)
+        if self._trace:
+            self._trace.start(self.state.step)
+        return loaded
 
     def _checkpointed(self) -> TrainingObjects:
         return TrainingObjects(

@@ -7,7 +7,9 @@ of models that fit one process, never for training.
 
 A file holds ``{"step": int, "weights": {name: tensor}, "facts": {...}}``. The facts are what a
 reader of the weights alone cannot know and a likely cause of a difference may be: the modules
-that draw random numbers in training mode (a dropout at N processes draws other masks than at one).
+that draw random numbers in training mode (a dropout at N processes draws other masks than at one),
+and whether phalanx split the batches (a training DataLoader, or ``session.shard``): a script that
+draws its own batches per rank trains N processes on other samples than one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class WeightsTrace:
         models: list[nn.Module],
         full_state: Callable[[nn.Module], dict[str, torch.Tensor]],
         bare: Callable[[nn.Module], nn.Module],
+        splits_batches: Callable[[], bool],
     ):
         """``full_state``: a model's whole weights (the strategy's gather, on every rank); ``bare``:
         the user's model under the strategy's wrappers (for the facts)."""
@@ -47,12 +50,14 @@ class WeightsTrace:
         self._models = models
         self._full_state = full_state
         self._bare = bare
+        self._splits_batches = splits_batches
         if is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     def start(self, step: int) -> None:
         """The weights training starts from, once setup() has them (a resume's included): before any
-        forward, whose BatchNorm statistics would already count. A later setup() writes them again."""
+        forward, whose BatchNorm statistics would already count. A later setup(), load_weights() or
+        load() writes them again."""
         if self._models:
             self.write(step)
 
@@ -65,7 +70,10 @@ class WeightsTrace:
             weights.update({prefix + k: v.detach().to("cpu", copy=True) for k, v in state.items()})
         if not self._is_main:
             return
-        facts = {"random_modules": [n for m in self._models for n in random_modules(self._bare(m))]}
+        facts = {
+            "random_modules": [n for m in self._models for n in random_modules(self._bare(m))],
+            "split_batches": self._splits_batches(),
+        }
         path = trace_file(self.directory, step)
         partial = path.with_suffix(".partial")
         torch.save({"step": step, "weights": weights, "facts": facts}, partial)

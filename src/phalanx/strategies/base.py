@@ -30,7 +30,7 @@ from phalanx.strategies.plan_rows import PlanRow
 from phalanx.strategies.sync_batchnorm import BatchNorms
 from phalanx.topology import Topology
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # precision.mode values, in the order messages list them
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")  # precision.mode values, in the order messages list them
 
 
 @dataclass(frozen=True)

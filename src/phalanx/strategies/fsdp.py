@@ -66,7 +66,7 @@ class FSDP(DTensorStrategy):
     resume_counted = ("reduce_dtype",)
     needs_process_group = True
     handles_precision = True  # parameters are cast by FSDP's own mixed-precision policy
-    precisions = frozenset({"fp32", "bf16"})
+    precisions = frozenset({"fp32", "bf16", "fp64"})
     supports_channels_last = False
     # Sharded over the data-parallel axis, and split by the tensor-parallel plan as well in the 2-D
     # layout (strategy.tp.size > 1: TP within a node, FSDP across the data-parallel ranks).

@@ -29,7 +29,7 @@ class TensorParallel(DTensorStrategy):
     needs_process_group = True
     # fp16's loss scaling would unscale DTensor and plain gradients in one foreach call, which
     # DTensor refuses; bf16 autocast needs no scaler.
-    precisions = frozenset({"fp32", "bf16"})
+    precisions = frozenset({"fp32", "bf16", "fp64"})
     supports_compile = False
     supports_channels_last = False
     shards = Sharding(parameters=("tp",), gradients=("tp",), optimizer=("tp",))

@@ -13,11 +13,11 @@ from typing import Callable
 from phalanx.errors import PhalanxError
 from phalanx.harness.launching import TrialOptions
 from phalanx.launch.launcher import new_run_dir
-from phalanx.verify.causes import from_source, likely_causes
+from phalanx.verify.causes import from_source, likely_causes, resume_causes
 from phalanx.verify.compare import TOLERANCE, StepDiff, compare_traces, first_failure, trace_facts, traced_steps
 from phalanx.verify.runs import launch_all
 
-__all__ = ["TOLERANCE", "VerifyOptions", "VerifyResult", "run_verify", "uses_phalanx"]
+__all__ = ["TOLERANCE", "VerifyOptions", "VerifyResult", "parted_from_rounding", "run_verify", "uses_phalanx"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class VerifyOptions:
     config_file: str | None = None
     overrides: tuple[str, ...] = ()
     run_dir: str | None = None  # None: a temporary directory, removed at the end
+    fp64: bool = False  # compare in float64, where rounding cannot hide nor fake a difference
 
     def check(self) -> None:
         if self.nproc < 2:
@@ -112,7 +113,8 @@ def run_verify(options: VerifyOptions, say: Callable[[str], None] = print) -> Ve
 
 
 def _verify(options: VerifyOptions, trial: TrialOptions, root: Path, say: Callable[[str], None]) -> VerifyResult:
-    runs = launch_all(trial, options.script, options.script_args, options.nproc, options.steps, root, say)
+    precision = "fp64" if options.fp64 else "fp32"
+    runs = launch_all(trial, options.script, options.script_args, options.nproc, options.steps, root, say, precision)
     single, multi, resumed = runs
     if not traced_steps(multi.trace):
         raise PhalanxError(
@@ -141,11 +143,25 @@ def _verify(options: VerifyOptions, trial: TrialOptions, root: Path, say: Callab
             f"the runs trained on different global batches ({_sizes(batches[0])} at 1 process, {_sizes(batches[1])} "
             f"at {options.nproc}): set batch.global_batch_size so that both take the same"
         )
-    failure = result.scaling_failure or result.resume_failure
-    if failure is not None:
-        lines = [*single.log_lines(), *multi.log_lines(), *resumed.log_lines()]
-        result.causes = likely_causes(failure, trace_facts(multi.trace), lines, options.script)
+    if result.scaling_failure is not None and not options.fp64 and parted_from_rounding(result):
+        result.notes.append(
+            "the runs agree to rounding at first and part later: fp32 rounding that a deep network amplifies (a "
+            "max-pool or ReLU that decides the other way) can do that; --fp64 compares in float64, whose rounding "
+            "is 1e-16, to tell it from a real difference"
+        )
+    if result.scaling_failure is not None:
+        lines = [*single.log_lines(), *multi.log_lines()]
+        result.causes = likely_causes(result.scaling_failure, trace_facts(multi.trace), lines, options.script)
+    if result.resume_failure is not None:
+        result.causes += resume_causes(result.resume_failure, half, resumed.log_lines())
     return result
+
+
+def parted_from_rounding(result: VerifyResult) -> bool:
+    """The first steps (the first one at least) agree to well under the tolerance, then they part."""
+    first = result.scaling_failure
+    before = [d for d in result.scaling if 0 < d.step < first.step]
+    return bool(before) and before[0].difference < result.tolerance / 10
 
 
 def _sizes(values: set[int]) -> str:

@@ -19,17 +19,19 @@ _SAID = [
         "a scheduler stepped by hand",
     ),
 ]
+# A resume's own: what the resumed run said of a loop that restarts its count.
+_RESUME_SAID = [(re.compile(r"this run resumed at step \d+, but nothing in the loop follows"), "a loop that restarts")]
 _RUNNING_STATS = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked)$")
 
 
-def from_logs(lines: list[str]) -> list[str]:
+def from_logs(lines: list[str], said: list = _SAID) -> list[str]:
     """Causes the runs' own warnings name, each once, with the warning's text."""
     out: dict[str, str] = {}
     for line in lines:
         text = re.sub(r"^\[rank \d+\] ", "", line.strip())
         if not text.startswith("phalanx: "):
             continue
-        for pattern, cause in _SAID:
+        for pattern, cause in said:
             if pattern.search(text) and cause not in out:
                 out[cause] = f"{cause}: {text.removeprefix('phalanx: ').removeprefix('warning: ')}"
     return list(out.values())
@@ -44,6 +46,13 @@ def from_first_difference(first: StepDiff, facts: dict) -> list[str]:
         )
     if first.tensor and _RUNNING_STATS.search(first.tensor):
         out.append(f"BatchNorm without sync: {first.tensor} is a BatchNorm statistic, kept per process")
+    if facts.get("split_batches") is False:
+        out.append(
+            "batches that phalanx does not split: neither a training DataLoader through session.setup() nor "
+            "session.shard(), so if the script draws its own batches per rank (random positions, as nanoGPT's "
+            "get_batch), N processes train on other samples than one and the weights cannot match, though each "
+            "run is correct"
+        )
     random = facts.get("random_modules") or []
     if random:
         shown = ", ".join(random[:3]) + (f" and {len(random) - 3} more" if len(random) > 3 else "")
@@ -65,8 +74,27 @@ def from_source(script: str) -> list[str]:
     return [f"phalanx check: {format_finding(f)}" for f in findings]
 
 
+def resume_causes(first: StepDiff, resumed_at: int, log_lines: list[str]) -> list[str]:
+    """Why a resumed run parts from the uninterrupted one."""
+    out = from_logs(log_lines, _RESUME_SAID)
+    if first.step == resumed_at:
+        out.append(
+            f"a checkpoint that does not hold everything: the resumed run's weights differ from the saved step "
+            f"{resumed_at}'s already, so something the script changes in the weights after setup() is not restored"
+        )
+    else:
+        out.append(
+            "a loop that does not pick up where the checkpoint left off: a loop of the script's own over its "
+            "data (range(...) over tensors, its own epoch counter) starts again at its first batch; iterate a "
+            "loader phalanx set up inside session.epochs(), or keep the position with session.keep() "
+            "(docs/session.md#keepvalues)"
+        )
+    return out
+
+
 def likely_causes(first: StepDiff, facts: dict, log_lines: list[str], script: str | Path) -> list[str]:
-    """Every cause seen, the most direct first: the runs' warnings, the difference itself, the source."""
+    """Every cause seen of 1 and N processes parting, the most direct first: the runs' warnings, the
+    difference itself, the source."""
     seen: list[str] = []
     for cause in [*from_logs(log_lines), *from_first_difference(first, facts), *from_source(str(script))]:
         label = cause.split(":", 1)[0]

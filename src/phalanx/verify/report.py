@@ -29,7 +29,9 @@ def table(result: VerifyResult) -> list[str]:
 
 def summary(result: VerifyResult) -> list[str]:
     tol = f"{result.tolerance:.0e}"
-    lines = [f"max relative difference of any weight tensor; tolerance {tol} (docs/verify.md#the-tolerance)"]
+    lines = [
+        f"the most different weight tensor's relative rms difference; tolerance {tol} (docs/verify.md#the-tolerance)"
+    ]
     lines += [f"note: {n}" for n in result.notes]
     if result.holds:
         worst = max(d.difference for d in result.scaling)

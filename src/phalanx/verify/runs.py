@@ -62,12 +62,12 @@ def checked_plan(options: TrialOptions, script: str, args: tuple[str, ...], npro
     return prepare(options.request(script, args, nproc))
 
 
-def run_overrides(plan: LaunchPlan, directory: Path, *, whole_batch: bool) -> tuple[str, ...]:
+def run_overrides(plan: LaunchPlan, directory: Path, *, whole_batch: bool, precision: str) -> tuple[str, ...]:
     """``whole_batch``: the 1-process reference takes the global batch in one forward (no
     accumulation), as a one-GPU script does; the N-process runs keep the script's settings."""
     out = [
         *quiet_overrides(plan.config, directory),
-        "precision.mode=fp32",
+        f"precision.mode={precision}",
         f"train.weights_trace={directory / 'trace'}",
         "checkpoint.keep_last=null",
         "train.profile=null",
@@ -85,17 +85,21 @@ def launch_all(
     steps: int,
     root: Path,
     say: Callable[[str], None],
+    precision: str = "fp32",
 ) -> list[VerifyRun]:
     """The three runs, in order; a run that fails stops verify with its reason."""
     half = steps // 2
     plans = {n: checked_plan(options, script, args, n) for n in (1, nproc)}
     plural = f"{nproc} processes"
     specs = [
-        ("1 process", 1, run_overrides(plans[1], root / "n1", whole_batch=True), root / "n1"),
+        ("1 process", 1, run_overrides(plans[1], root / "n1", whole_batch=True, precision=precision), root / "n1"),
         (
             plural,
             nproc,
-            (*run_overrides(plans[nproc], root / f"n{nproc}", whole_batch=False), f"checkpoint.save_every={half}"),
+            (
+                *run_overrides(plans[nproc], root / f"n{nproc}", whole_batch=False, precision=precision),
+                f"checkpoint.save_every={half}",
+            ),
             root / f"n{nproc}",
         ),
     ]
@@ -111,7 +115,7 @@ def launch_all(
         )
     directory = root / "resumed"
     overrides = (
-        *run_overrides(plans[nproc], directory, whole_batch=False),
+        *run_overrides(plans[nproc], directory, whole_batch=False, precision=precision),
         f"checkpoint.resume={saved}",
     )
     say(f"phalanx: verify: resuming the {plural} run at step {half} ...")
@@ -132,8 +136,7 @@ def _run(
     launch = options.launch(script, args, nproc=nproc, parent=directory, extra=overrides, cap=steps)
     if not launch.complete:
         raise PhalanxError(
-            f"the {name} run failed (exit code {launch.returncode}): {failure_reason(launch.log)}; "
-            f"log: {launch.log}"
+            f"the {name} run failed (exit code {launch.returncode}): {failure_reason(launch.log)}; log: {launch.log}"
         )
     return VerifyRun(name, directory, launch)
 
