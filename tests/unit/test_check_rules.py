@@ -120,6 +120,9 @@ NEGATIVE = {
         DDP_HEAD + "if rank == 0:\n    dist.broadcast(x, 0)\nelse:\n    dist.broadcast(y, 0)\n",
         DDP_HEAD + "if args.rank is not None:\n    dist.barrier()\n",
         "import functools\nif rank == 0:\n    functools.reduce(f, xs)\n",
+        # The "rank 0 first" pair (YOLOv5's torch_distributed_zero_first, older HF example scripts).
+        DDP_HEAD + "def zero_first(local_rank):\n    if local_rank not in [-1, 0]:\n        dist.barrier()\n"
+        "    yield\n    if local_rank == 0:\n        dist.barrier()\n",
     ],
     "set-epoch-missing": [
         DDP_HEAD + "sampler = DistributedSampler(ds)\nfor e in range(3):\n    sampler.set_epoch(e)\n",
@@ -157,6 +160,10 @@ NEGATIVE = {
         DDP_HEAD + "def save():\n    torch.save(model, 'm.pt')\nif rank == 0:\n    save()\n",
         DDP_HEAD + "def unused():\n    torch.save(model, 'm.pt')\n",
         SESSION_HEAD + "if session.is_main:\n    torch.save(session.model_state_dict(), 'm.pt')\n",
+        DDP_HEAD + "def is_main_process():\n    return dist.get_rank() == 0\ndef save_on_master(*a):\n"
+        "    if is_main_process():\n        torch.save(*a)\nsave_on_master(model, 'm.pt')\n",
+        DDP_HEAD + "def first():\n    return get_rank() == 0\nif first():\n    torch.save(model, 'm.pt')\n",
+        DDP_HEAD + "import io\ntorch.save(state, io.BytesIO())\nbuf = io.BytesIO()\ntorch.save(state, buf)\n",
     ],
     "cuda-without-index": [
         DDP_HEAD + "model = model.cuda()\nx = x.to('cuda')\n",
@@ -164,6 +171,8 @@ NEGATIVE = {
         "model = model.cuda()\nx = x.to('cuda:0')\n",
         SESSION_HEAD + "import os\nr = os.environ['LOCAL_RANK']\nmodel = model.cuda()\n",
         "import os\nr = os.environ['LOCAL_RANK']\ndevice = 'cuda'\nif r:\n    device = f'cuda:{r}'\n",
+        "import os\nfrom accelerate import Accelerator\nacc = Accelerator()\nr = os.environ.get('LOCAL_RANK')\n"
+        "model = model.cuda()\nx = x.to('cuda')\n",
     ],
     "data-parallel": [DDP_HEAD + "model = DDP(model)\n"],
     "batchnorm-unsynced": [

@@ -14,7 +14,7 @@ from torch import nn
 from phalanx.session.loop_checks import LoopChecks
 from phalanx.session.trace import WeightsTrace, random_modules
 from phalanx.strategies.sync_batchnorm import unsynced_line
-from phalanx.verify import VerifyOptions, VerifyResult, parted_from_rounding, uses_phalanx
+from phalanx.verify import MOVED_ENOUGH, VerifyOptions, VerifyResult, movement, parted_from_rounding, uses_phalanx
 from phalanx.verify.causes import from_first_difference, from_logs, resume_causes
 from phalanx.verify.compare import (
     TOLERANCE,
@@ -195,3 +195,35 @@ def test_fp64_makes_the_model_and_its_inputs_float64():
         assert torch.get_default_dtype() == torch.float64  # what the script makes after the Session too
     finally:
         torch.set_default_dtype(before)
+
+
+def test_ranks_whose_weights_part_make_verify_say_they_differ(tmp_path):
+    from phalanx.harness.launching import LaunchRun
+    from phalanx.verify.runs import ReplicasDiffer, _run
+
+    log = tmp_path / "launch.log"
+    log.write_text("phalanx: error: replicas drifted apart at step 3 (they were equal at step 2): w differs\n")
+
+    class Trials:
+        def launch(self, *args, **kwargs):
+            return LaunchRun(2, False, 3, 1.0, log, None)
+
+    with pytest.raises(
+        ReplicasDiffer, match="2 processes run stopped, its ranks' own weights apart: replicas drifted"
+    ) as err:
+        _run(Trials(), "train.py", (), 2, (), tmp_path, 8, "2 processes")
+    assert err.value.exit_code == 1
+
+
+def test_weights_that_barely_move_leave_verify_unable_to_tell(tmp_path):
+    model = nn.Linear(4, 4)
+    trace = WeightsTrace(str(tmp_path), True, [model], lambda m: m.state_dict(), lambda m: m, lambda: True)
+    trace.start(0)
+    with torch.no_grad():
+        model.weight.add_(1e-6)  # a warm-up from lr 0
+    trace.write(1)
+    assert movement(tmp_path) < MOVED_ENOUGH * TOLERANCE
+    inconclusive = _result([0, 0], [0])
+    inconclusive.inconclusive = "the weights moved by at most 1e-6"
+    assert inconclusive.exit_code == 2 and "cannot tell" in summary(inconclusive)[-1]
+    assert _result([0, 1e-7], [0]).exit_code == 0 and _result([0, 1e-2], [0]).exit_code == 1

@@ -14,7 +14,7 @@ RANK_NAMES = {"rank", "local_rank", "global_rank", "ddp_rank", "ddp_local_rank",
               "process_index", "local_process_index", "node_local_rank", "rank_id"}  # fmt: skip
 MAIN_FLAGS = {"is_main", "is_master", "master_process", "is_main_process", "is_local_main_process", "is_global_zero",
               "is_rank_zero", "is_rank0", "rank0", "rank_zero", "main_process", "is_chief"}  # fmt: skip
-_RANK_CALLS = {"get_rank", "get_local_rank", "get_node_local_rank", "get_global_rank"}
+_RANK_CALLS = {"get_rank", "get_local_rank", "get_node_local_rank", "get_global_rank", "is_world_process_zero"}
 _EXITS = {"exit", "_exit", "quit"}
 MAX_DEPTH = 3  # how deep calls into the file's own functions are followed
 
@@ -38,6 +38,7 @@ class Ranks:
     def __init__(self, script: Script):
         self.script = script
         self.tainted: set[str] = set()
+        self.rank_functions: set[str] = set()  # the file's own `def is_main_process(): return get_rank() == 0`
         for _ in range(3):  # a name computed from a name computed from a rank
             for node in ast.walk(script.tree):
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
@@ -46,6 +47,10 @@ class Ranks:
                         name = last_name(target)
                         if name and self.valued(value):
                             self.tainted.add(name)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    isinstance(r, ast.Return) and r.value is not None and self.valued(r.value) for r in ast.walk(node)
+                ):
+                    self.rank_functions.add(node.name)
         self.guards: dict[ast.Call, Guard] = {}
         self.scope: dict[ast.Call, ast.AST] = {}
         self._block(script.tree.body, None, script.tree)
@@ -73,7 +78,7 @@ class Ranks:
             return name in RANK_NAMES or name in MAIN_FLAGS or name in self.tainted
         if isinstance(expr, ast.Call):
             name = last_name(expr)
-            if name in _RANK_CALLS:
+            if name in _RANK_CALLS or name in MAIN_FLAGS or name in self.rank_functions:
                 return True
             if name in {"int", "bool", "float"} and expr.args:
                 return self.valued(expr.args[0])

@@ -43,7 +43,7 @@ def collective(script: Script, call: ast.Call) -> str | None:
 def check(script: Script, ranks: Ranks) -> Iterator[Finding]:
     for call, guard in ranks.guards.items():
         name, inner = _synchronising(script, ranks, call)
-        if name is None or name in _other_branch(script, ranks, guard):
+        if name is None or name in _other_branch(script, ranks, guard) or _paired(script, ranks, call, guard, name):
             continue
         where = f"`{ast.unparse(guard.node.test)}`" if guard.node is not None else "the rank condition of an early exit"
         via = f" (it calls {name}() at line {inner.lineno})" if inner is not call else ""
@@ -67,6 +67,21 @@ def _synchronising(script: Script, ranks: Ranks, call: ast.Call) -> tuple[str | 
             if inner not in ranks.guards and (name := collective(script, inner)) is not None:
                 return name, inner
     return None, call
+
+
+def _paired(script: Script, ranks: Ranks, call: ast.Call, guard: Guard, name: str) -> bool:
+    """The same collective under another rank condition of the same function: the "rank 0 first"
+    pair (``if local_rank not in [-1, 0]: barrier()`` ... ``if local_rank == 0: barrier()``), in
+    which every rank makes the call once."""
+    if guard.node is None:
+        return False
+    test = ast.unparse(guard.node.test)
+    for other, other_guard in ranks.guards.items():
+        if other is call or ranks.scope.get(other) is not ranks.scope.get(call) or other_guard.node is None:
+            continue
+        if ast.unparse(other_guard.node.test) != test and collective(script, other) == name:
+            return True
+    return False
 
 
 def _other_branch(script: Script, ranks: Ranks, guard: Guard) -> set[str]:

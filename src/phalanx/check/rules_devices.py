@@ -22,8 +22,9 @@ def check(script: Script, ranks: Ranks) -> Iterator[Finding]:
 
 
 def _unindexed(script: Script) -> Iterator[Finding]:
-    # A phalanx Session sets each process's device itself; set_device() anywhere makes "cuda" this rank's.
-    if not script.process_group or script.uses_phalanx or script.sets_device:
+    # phalanx, Accelerate and Fabric set each process's device themselves; set_device() anywhere makes
+    # "cuda" this rank's.
+    if not script.process_group or script.libraries or script.sets_device:
         return
     message = (
         "every rank uses cuda:0 here: no torch.cuda.set_device() in the file, so 'cuda' is device 0 on every "

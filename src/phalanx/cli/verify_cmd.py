@@ -71,4 +71,4 @@ def _run_verify(args: argparse.Namespace) -> int:
         print(line)
     if result.directory is not None:
         print(f"phalanx: verify: the runs are in {result.directory}")
-    return 0 if result.holds else 1
+    return result.exit_code

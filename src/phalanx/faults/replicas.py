@@ -23,6 +23,7 @@ own dtype (a reduction that casts as it goes, to float64 or int64, is 25 times s
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -86,10 +87,15 @@ class ReplicaCheck:
         names, tensors = self.tensors()
         if not tensors:
             return
-        mine = fingerprint(tensors).to(self.comm_device)
+        kind = torch.tensor([device_kind(tensors[0].device)], dtype=torch.int64, device=tensors[0].device)
+        mine = torch.cat([fingerprint(tensors), kind]).to(self.comm_device)
         rows = [torch.empty_like(mine) for _ in self.ranks]
         dist.all_gather(rows, mine, group=self.group)
-        problem = drift(torch.stack(rows).cpu(), names, self.ranks, step, self._equal_at)
+        gathered = torch.stack(rows).cpu()
+        # GPUs of another model may lay a float sum out otherwise and round its last bit so: between
+        # them, the exact integer sums alone are compared.
+        same_kind = bool((gathered[:, -1] == gathered[0, -1]).all())
+        problem = drift(gathered[:, :-1], names, self.ranks, step, self._equal_at, compare_values=same_kind)
         if problem:
             raise PhalanxError(problem)
         self._equal_at = step
@@ -132,12 +138,26 @@ def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([bits_column, values_column])
 
 
-def drift(rows: torch.Tensor, names: list[str], ranks: list[int], step: int, equal_at: int | None) -> str | None:
+def device_kind(device: torch.device) -> int:
+    """A number for the device's model (the same on every rank with the same kind of device)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return zlib.crc32(name.encode())
+
+
+def drift(
+    rows: torch.Tensor,
+    names: list[str],
+    ranks: list[int],
+    step: int,
+    equal_at: int | None,
+    compare_values: bool = True,
+) -> str | None:
     """The one line that says where the gathered fingerprints (one row per rank of ``ranks``)
-    disagree, or None where they are equal; the first tensor named is the first that differs."""
+    disagree, or None where they are equal; the first tensor named is the first that differs.
+    ``compare_values``: False leaves the float sums out (ranks on devices of different models)."""
     n = len(names)
     differs = (rows != rows[0]).any(dim=0)
-    per_tensor = differs[:n] | differs[n:]
+    per_tensor = differs[:n] | (differs[n:] if compare_values else torch.zeros_like(differs[:n]))
     if not bool(per_tensor.any()):
         return None
     first = int(per_tensor.nonzero()[0])

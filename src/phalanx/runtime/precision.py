@@ -33,7 +33,8 @@ class Precision:
         self._stepped: set[int] = set()
         if config.mode == "fp64":
             # Tensors the script makes after the Session (its data, noise) are float64 too, so a
-            # float32 one never meets a float64 weight in a matmul.
+            # float32 one never meets a float64 weight in a matmul. Process-wide, which only a mode
+            # meant for verify's short runs may be.
             torch.set_default_dtype(torch.float64)
         if config.mode == "fp16" and device.type == "cpu":
             # Most CPUs have no fp16 matmul (bf16 they often have), so autocast's fp16 kernels

@@ -14,8 +14,20 @@ from phalanx.errors import PhalanxError
 from phalanx.harness.launching import TrialOptions
 from phalanx.launch.launcher import new_run_dir
 from phalanx.verify.causes import from_source, likely_causes, resume_causes
-from phalanx.verify.compare import TOLERANCE, StepDiff, compare_traces, first_failure, trace_facts, traced_steps
+from phalanx.verify.compare import (
+    TOLERANCE,
+    StepDiff,
+    compare_traces,
+    compare_weights,
+    first_failure,
+    load_trace,
+    trace_facts,
+    traced_steps,
+)
 from phalanx.verify.runs import launch_all
+
+# A run whose weights moved less than this many tolerances cannot show a difference of one.
+MOVED_ENOUGH = 100
 
 __all__ = ["TOLERANCE", "VerifyOptions", "VerifyResult", "parted_from_rounding", "run_verify", "uses_phalanx"]
 
@@ -52,6 +64,7 @@ class VerifyResult:
     causes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     directory: Path | None = None
+    inconclusive: str | None = None  # why the runs, though equal, cannot show a difference (exit 2)
 
     @property
     def scaling_failure(self) -> StepDiff | None:
@@ -64,6 +77,12 @@ class VerifyResult:
     @property
     def holds(self) -> bool:
         return bool(self.scaling) and bool(self.resume) and not self.scaling_failure and not self.resume_failure
+
+    @property
+    def exit_code(self) -> int:
+        if not self.scaling_failure and not self.resume_failure and (self.inconclusive or not self.holds):
+            return 2  # nothing wrong seen, and nothing proven either
+        return 0 if self.holds else 1
 
 
 def uses_phalanx(script: str) -> bool:
@@ -122,6 +141,12 @@ def _verify(options: VerifyOptions, trial: TrialOptions, root: Path, say: Callab
             f"the steps session.step() or session.accumulate() take; see its log: {multi.launch.log}"
         )
     half = options.steps // 2
+    resumed_steps = traced_steps(resumed.trace)
+    if resumed_steps and resumed_steps[0] != half:
+        raise PhalanxError(
+            f"the resumed run did not start from the checkpoint of step {half} (its first weights are step "
+            f"{resumed_steps[0]}'s), so the resume cannot be compared; see its log: {resumed.launch.log}"
+        )
     steps = list(range(options.steps + 1))
     result = VerifyResult(
         nproc=options.nproc,
@@ -143,6 +168,15 @@ def _verify(options: VerifyOptions, trial: TrialOptions, root: Path, say: Callab
             f"the runs trained on different global batches ({_sizes(batches[0])} at 1 process, {_sizes(batches[1])} "
             f"at {options.nproc}): set batch.global_batch_size so that both take the same"
         )
+    moved = movement(single.trace)
+    if result.holds and moved is not None and moved < MOVED_ENOUGH * options.tolerance:
+        result.inconclusive = (
+            f"the weights moved by at most {moved:.1e} (relative rms) over the run, too little for a difference "
+            f"above the tolerance {options.tolerance:.0e} to show: raise --steps, or look at the learning rate "
+            "(a warm-up from 0)"
+        )
+    if not result.scaling or not result.resume:
+        result.inconclusive = "the runs traced no step in common, so nothing could be compared"
     if result.scaling_failure is not None and not options.fp64 and parted_from_rounding(result):
         result.notes.append(
             "the runs agree to rounding at first and part later: fp32 rounding that a deep network amplifies (a "
@@ -155,6 +189,15 @@ def _verify(options: VerifyOptions, trial: TrialOptions, root: Path, say: Callab
     if result.resume_failure is not None:
         result.causes += resume_causes(result.resume_failure, half, resumed.log_lines())
     return result
+
+
+def movement(trace: Path) -> float | None:
+    """How far the weights moved from the first traced step to the last: the most moved tensor's."""
+    steps = traced_steps(trace)
+    if len(steps) < 2:
+        return None
+    first, last = load_trace(trace, steps[0]), load_trace(trace, steps[-1])
+    return compare_weights(steps[-1], last["weights"], first["weights"]).difference
 
 
 def parted_from_rounding(result: VerifyResult) -> bool:

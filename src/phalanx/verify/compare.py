@@ -108,7 +108,8 @@ def first_failure(diffs: list[StepDiff], tolerance: float) -> StepDiff | None:
 
 
 def trace_facts(directory: Path) -> dict:
-    """What the run's first traced file says about its models (session/trace.py)."""
+    """What the run's last traced file says about its models (session/trace.py): by then the loop has
+    run, and what it called (session.shard) counts."""
     steps = traced_steps(directory)
-    first = load_trace(directory, steps[0]) if steps else None
-    return dict(first["facts"]) if first else {}
+    last = load_trace(directory, steps[-1]) if steps else None
+    return dict(last["facts"]) if last else {}

@@ -33,7 +33,7 @@ def summary(result: VerifyResult) -> list[str]:
         f"the most different weight tensor's relative rms difference; tolerance {tol} (docs/verify.md#the-tolerance)"
     ]
     lines += [f"note: {n}" for n in result.notes]
-    if result.holds:
+    if result.holds and not result.inconclusive:
         worst = max(d.difference for d in result.scaling)
         lines.append(
             f"phalanx: verify: {result.nproc} processes train like 1 for {len(result.scaling) - 1} steps "
@@ -41,8 +41,8 @@ def summary(result: VerifyResult) -> list[str]:
             "run"
         )
         return lines
-    if not result.scaling or not result.resume:
-        lines.append("phalanx: verify: the runs traced no step in common, so nothing could be compared")
+    if result.inconclusive:
+        lines.append(f"phalanx: verify: cannot tell: {result.inconclusive}")
         return lines
     for failure, what in (
         (result.scaling_failure, f"{result.nproc} processes do not train like 1"),

@@ -22,6 +22,12 @@ from phalanx.harness.launching import LaunchRun, TrialOptions, failure_reason, q
 from phalanx.launch.launcher import LaunchPlan, prepare
 
 
+class ReplicasDiffer(PhalanxError):
+    """The N-process ranks' own weights parted: they do not train like one process (exit 1)."""
+
+    exit_code = 1
+
+
 @dataclass(frozen=True)
 class VerifyRun:
     name: str  # "1 process", "2 processes", "resumed"
@@ -74,6 +80,9 @@ def run_overrides(plan: LaunchPlan, directory: Path, *, whole_batch: bool, preci
     ]
     if whole_batch:
         out += ["batch.micro_batch_size=null", "batch.max_micro_batch_size=null"]
+    else:
+        # The trace holds rank 0's weights: a rank that drifts from it must stop the run, at once.
+        out.append("faults.replica_check_every=1")
     return tuple(out)
 
 
@@ -134,6 +143,9 @@ def _run(
     name: str,
 ) -> VerifyRun:
     launch = options.launch(script, args, nproc=nproc, parent=directory, extra=overrides, cap=steps)
+    reason = failure_reason(launch.log) if not launch.complete else ""
+    if "replicas drifted apart" in reason:
+        raise ReplicasDiffer(f"the {name} run stopped, its ranks' own weights apart: {reason}")
     if not launch.complete:
         raise PhalanxError(
             f"the {name} run failed (exit code {launch.returncode}): {failure_reason(launch.log)}; log: {launch.log}"
