@@ -43,8 +43,17 @@ SCRIPT = textwrap.dedent(
 def test_a_rank_that_changes_a_weight_stops_the_job_at_the_next_check(tmp_path):
     script = tmp_path / "drift.py"
     script.write_text(SCRIPT)
-    flags = ("--cpu", "--nproc", "2", "--set", "faults.replica_check_every=2")
-    result = run_phalanx("launch", *flags, str(script), cwd=tmp_path, timeout=90)
+    result = run_phalanx(
+        "launch",
+        "--cpu",
+        "--nproc",
+        "2",
+        "--set",
+        "faults.replica_check_every=2",
+        str(script),
+        cwd=tmp_path,
+        timeout=90,
+    )
     assert result.returncode == 2, result.output
     assert "phalanx-test: finished" not in result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("phalanx: error:")]

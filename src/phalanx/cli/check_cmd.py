@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from phalanx.check import RULES, CheckInputError, check_paths, format_finding
+from phalanx.cli import options
 
 
 def register(commands) -> None:
@@ -19,7 +20,7 @@ def register(commands) -> None:
         ),
     )
     p.add_argument("scripts", nargs="*", metavar="SCRIPT", help="the training scripts to check")
-    p.add_argument("--json", action="store_true", help="print the findings as a JSON list, and nothing else")
+    options.add_json(p, "the findings as a list, and nothing else")
     p.add_argument("--ignore", action="append", default=[], metavar="RULE[,RULE...]", help="rule ids to leave out")
     p.add_argument("--list-rules", action="store_true", help="list each rule id, its severity and what it finds")
     p.set_defaults(run=run)

@@ -194,7 +194,7 @@ def left_out(precision: str, sequential: bool = True) -> list[tuple[type[Strateg
         if any(cls is seen for seen, _ in out):
             continue
         if precision not in cls.precisions:
-            others = " or ".join(sorted(cls.precisions - {"fp32"}))
+            others = " or ".join(sorted(cls.precisions - {"fp32", "fp64"}))  # fp64 is verify's, not training's
             why = f"it does not support {precision} (use {others})" if others else "it supports fp32 only for now"
             out.append((cls, why))
         elif cls.needs_sequential and not sequential:
