@@ -217,3 +217,44 @@ def test_a_weights_only_load_before_the_resume_does_not_cancel_it(tmp_path, caps
 
     assert run(2) == (0, 2)
     assert run(2) == (2, 4)  # resumed, though the script loaded starting weights before setting all up
+
+
+def _own_data_loop(ckpt: str, *, stop_at: int | None = None, keep: bool = False) -> None:
+    """Tensors dealt by session.shard and walked by the loop's own range, ended by session.should_stop
+    (train.max_steps): phalanx's count ends it, but where its data stands is the loop's alone."""
+    from torch import nn
+
+    from phalanx import Config, Session
+
+    session = Session(
+        Config(),
+        batch={"global_batch_size": 4},
+        train={"progress": False, "metrics": False, "max_steps": 6},
+        checkpoint={"dir": ckpt},
+    )
+    model = nn.Linear(4, 1)
+    model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    position = session.keep(batch=0) if keep else None
+    data = session.shard(torch.randn(24, 4, generator=torch.Generator().manual_seed(0)))
+    for i in range(position.batch if position else 0, len(data) // 4):
+        if session.should_stop:
+            break
+        session.backward(model(data[4 * i : 4 * i + 4]).pow(2).mean())
+        session.step()
+        if position is not None:
+            position.batch = i + 1
+        if stop_at is not None and session.state.step == stop_at:
+            session.save()
+            break
+    session.close()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_resumed_loop_over_its_own_data_is_warned_unless_it_keeps_its_position(tmp_path, capsys, keep):
+    _own_data_loop(str(tmp_path), stop_at=2, keep=keep)
+    assert "phalanx: warning" not in capsys.readouterr().out  # a fresh run has nothing to say
+    _own_data_loop(str(tmp_path), keep=keep)
+    out = capsys.readouterr().out
+    said = out.count("this run resumed at step 2, but phalanx does not see where the loop's data stands")
+    assert said == (0 if keep else 1), out
+    assert "nothing in the loop follows" not in out  # should_stop ends it at phalanx's count

@@ -168,10 +168,11 @@ def test_a_resume_that_parts_at_once_or_later_names_its_own_causes():
         4,
         ["phalanx: warning: this run resumed at step 4, but nothing in the loop follows phalanx's count"],
     )
-    assert [c.split(":")[0] for c in later] == [
-        "a loop that restarts",
-        "a loop that does not pick up where the checkpoint left off",
-    ]
+    assert [c.split(":")[0] for c in later] == ["a loop that restarts"]  # the run's own line, not repeated
+    unsaid = resume_causes(StepDiff(5, 0.3, "w"), 4, ["phalanx: ddp over 2 processes"])
+    assert unsaid[0].startswith("a loop that does not pick up where the checkpoint left off")
+    own_data = "phalanx: warning: this run resumed at step 4, but phalanx does not see where the loop's data stands"
+    assert resume_causes(StepDiff(5, 0.3, "w"), 4, [own_data])[0].startswith("a loop that restarts")
 
 
 def test_runs_that_agree_to_rounding_then_part_are_pointed_at_fp64():

@@ -29,11 +29,17 @@ class LoopChecks:
         self.state = state
         self.print_main = print_main
         self.counted = limited  # train.max_steps ends the loop at phalanx's count
+        # Where the loop's data stands comes back with a resume: a training loader phalanx set up
+        # goes on from the checkpoint's position; a count or kept values the loop starts from.
+        self.positioned = False
         self.backwards = 0  # session.backward() calls in the current window
         self.loss_checked = False
 
     def follows_count(self) -> None:
         self.counted = True
+
+    def follows_position(self) -> None:
+        self.counted = self.positioned = True
 
     def backward_called(self) -> None:
         self.backwards += 1
@@ -62,6 +68,15 @@ class LoopChecks:
                 "phalanx's count (session.step_count, session.keep(), train.max_steps or session.epochs()); a loop "
                 "that counts its own steps starts again from 0: start it from session.step_count, or keep it with "
                 "progress = session.keep(iter_num=0)"
+            )
+        elif self.state.resumed and not self.positioned:
+            self.positioned = True
+            self.print_main(
+                f"phalanx: warning: this run resumed at step {self.state.step}, but phalanx does not see where the "
+                "loop's data stands: no training loader phalanx set up is iterated, and neither session.step_count "
+                "nor session.keep() is read; a loop over its own data (range(...) over tensors, its own epoch "
+                "counter) starts again at its first batch: keep its position with session.keep(batch=0, epoch=0) "
+                "and start from it"
             )
 
     def check_loss(self, loss: torch.Tensor, shares: int) -> None:

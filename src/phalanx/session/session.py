@@ -201,7 +201,7 @@ class Session:
     @property
     def step_count(self) -> int:
         """Optimizer steps taken (restored by a resume: the checkpoint's once setup() returns)."""
-        self._loop.follows_count()
+        self._loop.follows_position()
         return self.state.step
 
     def keep(self, **values: Any) -> Kept:
@@ -209,7 +209,7 @@ class Session:
         every checkpoint and given back at resume: ``progress = session.keep(iter_num=0)``, then
         ``progress.iter_num += 1``. Called after a resumed setup(), it holds the checkpoint's values
         already (session/kept.py says what a value may be)."""
-        self._loop.follows_count()
+        self._loop.follows_position()
         return self.state.keep(values)
 
     @property
@@ -439,7 +439,7 @@ class Session:
         return optimizer
 
     def _training_pass_starts(self, _: DeviceLoader) -> None:
-        self._loop.follows_count()  # its pass goes on from the checkpoint's position
+        self._loop.follows_position()  # its pass goes on from the checkpoint's position
         self._recovery.ensure_resumed()
 
     def _after_load(self) -> None:

@@ -20,7 +20,12 @@ _SAID = [
     ),
 ]
 # A resume's own: what the resumed run said of a loop that restarts its count.
-_RESUME_SAID = [(re.compile(r"this run resumed at step \d+, but nothing in the loop follows"), "a loop that restarts")]
+_RESUME_SAID = [
+    (
+        re.compile(r"this run resumed at step \d+, but (nothing in the loop follows|phalanx does not see where)"),
+        "a loop that restarts",
+    )
+]
 _RUNNING_STATS = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked)$")
 
 
@@ -82,7 +87,7 @@ def resume_causes(first: StepDiff, resumed_at: int, log_lines: list[str]) -> lis
             f"a checkpoint that does not hold everything: the resumed run's weights differ from the saved step "
             f"{resumed_at}'s already, so something the script changes in the weights after setup() is not restored"
         )
-    else:
+    elif not out:  # the resumed run's own warning says it better, with its step
         out.append(
             "a loop that does not pick up where the checkpoint left off: a loop of the script's own over its "
             "data (range(...) over tensors, its own epoch counter) starts again at its first batch; iterate a "
