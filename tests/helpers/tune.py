@@ -93,12 +93,16 @@ def tune_under_a_320_mib_cap(tmp_path: Path, *launch: str) -> None:
     )  # both ranks hold the same, so either may fail first
     assert "the largest that fits is 8 (12: out of memory" in result.stdout
     (chosen,) = [t for t in document["trials"] if t["chosen"]]
-    assert chosen["micro_batch_size"] == 8  # 3 micro-steps per step instead of 4: the fastest too
-    assert 256 * MIB < chosen["peak_mem_bytes"] <= 320 * MIB
+    # 8 takes 3 micro-steps per step where 6 takes 4, but which one measures faster on a shared
+    # 2-core machine is noise (the suite asserts no timings): the choice is one that fits, written.
+    micro = chosen["micro_batch_size"]
+    assert micro in (6, 8) and chosen["outcome"] == OK
+    if micro == 8:
+        assert 256 * MIB < chosen["peak_mem_bytes"] <= 320 * MIB
     text = (tmp_path / "phalanx.yaml").read_text()
-    assert "micro_batch_size: 8    # what I had" in text and "seed: 7" in text
+    assert f"micro_batch_size: {micro}    # what I had" in text and "seed: 7" in text
     # Written as a per-device limit, in place of the exact size (issue 14): it plans any process count.
-    assert "  max_micro_batch_size: 8    # what I had" in text and "\n  micro_batch_size" not in text
+    assert f"  max_micro_batch_size: {micro}    # what I had" in text and "\n  micro_batch_size" not in text
     assert (tmp_path / "phalanx.yaml.bak").read_text() == USER_CONFIG.format(micro=12)
-    assert "wrote batch.max_micro_batch_size=8 into phalanx.yaml" in result.stdout
+    assert f"wrote batch.max_micro_batch_size={micro} into phalanx.yaml" in result.stdout
     assert not (tmp_path / "checkpoints").exists()  # trials keep to their own directory
