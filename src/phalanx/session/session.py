@@ -275,8 +275,7 @@ class Session:
         self._weights.load(model, source, strict=strict)
         if self._memory_cap is not None:
             self._memory_cap.check("loading holds one tensor at a time on top of the model: raise the cap")
-        if self._trace:
-            self._trace.start(self.state.step)  # the weights training starts from are these
+        self._trace_start()  # the weights training starts from are these
 
     def setup(self, *objects: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
@@ -320,8 +319,7 @@ class Session:
             self._memory_cap.start()  # what training adds counts, not what the script loaded before
         # A resumed run is back at its checkpoint when setup() returns (once all it holds is set up).
         self._recovery.resume_if_set_up()
-        if self._trace:
-            self._trace.start(self.state.step)
+        self._trace_start()
         return out[0] if len(out) == 1 else tuple(out)
 
     def _setup_one(self, obj: Any, caller: Any, train: bool, implicit: bool = False) -> Any:
@@ -363,8 +361,7 @@ class Session:
         if self._set_up:
             self._announce()  # the plan may be new: tune and bench read it from session.json
             self._recovery.resume_if_set_up()
-            if self._trace:
-                self._trace.start(self.state.step)
+            self._trace_start()
         return wrapped
 
     def _setup_loader(
@@ -862,9 +859,13 @@ class Session:
         """Restore from checkpoint ``path`` (default: the latest in ``checkpoint.dir``); every rank
         must call it, after setup(). ``weights_only``: only the models' weights (e.g. to fine-tune)."""
         loaded = self._recovery.load(path, weights_only)
+        self._trace_start()
+        return loaded
+
+    def _trace_start(self) -> None:
+        """train.weights_trace: the weights training starts from, after anything that sets them."""
         if self._trace:
             self._trace.start(self.state.step)
-        return loaded
 
     def _checkpointed(self) -> TrainingObjects:
         return TrainingObjects(

@@ -11,13 +11,13 @@ so nothing of the user's checkpoints is read or written.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from phalanx.checkpoint.files import MANIFEST, step_name
 from phalanx.errors import PhalanxError
+from phalanx.harness.figures import read_metrics
 from phalanx.harness.launching import LaunchRun, TrialOptions, failure_reason, quiet_overrides
 from phalanx.launch.launcher import LaunchPlan, prepare
 
@@ -44,20 +44,10 @@ class VerifyRun:
 
     def global_batches(self) -> set[int]:
         """The global batch of every step rank 0 recorded (its metrics)."""
-        if self.launch.run_dir is None:
+        if self.launch.run_dir is None or not (self.launch.run_dir / "metrics").is_dir():
             return set()
-        path = self.launch.run_dir / "metrics" / "rank0.jsonl"
-        if not path.is_file():
-            return set()
-        out = set()
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                samples = json.loads(line).get("samples")
-            except json.JSONDecodeError:
-                continue
-            if samples:
-                out.add(int(samples))
-        return out
+        records = read_metrics(self.launch.run_dir / "metrics").get(0, [])
+        return {int(r["samples"]) for r in records if r.get("samples")}
 
     def log_lines(self) -> list[str]:
         return self.launch.log.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -76,7 +66,6 @@ def run_overrides(plan: LaunchPlan, directory: Path, *, whole_batch: bool, preci
         f"precision.mode={precision}",
         f"train.weights_trace={directory / 'trace'}",
         "checkpoint.keep_last=null",
-        "train.profile=null",
     ]
     if whole_batch:
         out += ["batch.micro_batch_size=null", "batch.max_micro_batch_size=null"]
